@@ -1,0 +1,175 @@
+"""Storage of one unit: a flat, padded buffer of its parameters, of which this rank owns one shard.
+
+Layout: the unit's parameters are flattened and concatenated in a fixed order, then padded so the total
+is a multiple of the world size; rank ``r`` owns elements ``[r * S, (r + 1) * S)`` of that buffer.
+
+Each original parameter appears twice:
+
+* a **shard parameter**: a 1-D ``nn.Parameter`` viewing the part of this rank's shard that holds it
+  (possibly empty). It is what the optimizer, ``named_parameters()`` and checkpoints see between steps.
+* a **gathered parameter**: an ``nn.Parameter`` of the original shape viewing the gathered buffer. It
+  is what the module computes with, and where autograd accumulates the unsharded gradient.
+
+Note: the gathered buffer is freed by resizing its storage to zero, never by dropping the tensor, so
+the gathered parameters (and anything autograd saved of them) stay valid after a re-gather.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """Where one original parameter lives in the flat buffer and in the module tree."""
+
+    names: tuple[str, ...]  # fully qualified names, several for tied weights
+    locations: tuple[tuple[nn.Module, str], ...]  # (module, attribute) pairs that register it
+    shape: torch.Size
+    offset: int  # in the flat (unsharded) buffer
+    numel: int
+    requires_grad: bool
+
+
+class FlatShard:
+    def __init__(
+        self,
+        slots: list[ParamSlot],
+        flat: Tensor,
+        rank: int,
+        world_size: int,
+        param_dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        """``flat`` is the full unsharded, unpadded buffer (identical on every rank); it is not kept."""
+        self.slots = slots
+        self.rank, self.world_size = rank, world_size
+        total = flat.numel()
+        self.shard_numel = -(-total // world_size) if total else 0
+        self.padded_numel = self.shard_numel * world_size
+        self.shard_start = rank * self.shard_numel
+        self.master_dtype = flat.dtype
+        self.param_dtype = param_dtype or flat.dtype
+
+        # this rank's master shard, in its own storage (the full buffer is not kept)
+        shard = flat.new_zeros(self.shard_numel)
+        lo, hi = self.shard_start, min(self.shard_start + self.shard_numel, total)
+        if hi > lo:
+            shard[: hi - lo].copy_(flat[lo:hi])
+        self.shard = shard
+
+        # With one shard and no cast the gathered buffer *is* the shard: nothing to gather or free.
+        self.aliases_shard = world_size == 1 and self.param_dtype == self.master_dtype
+        if self.aliases_shard:
+            self.gathered = self.shard
+        else:
+            self.gathered = torch.empty(self.padded_numel, dtype=self.param_dtype, device=flat.device)
+            self.gathered.untyped_storage().resize_(0)
+
+        self.shard_params = [self._make_shard_param(s) for s in slots]
+        self.gathered_params = [
+            nn.Parameter(self.gathered[s.offset : s.offset + s.numel].view(s.shape), requires_grad=s.requires_grad)
+            for s in slots
+        ]
+        self.trainable = [i for i, s in enumerate(slots) if s.requires_grad]
+        self.shard_grad: Optional[Tensor] = None
+        self._shard_grad_views: dict[int, Tensor] = {}
+
+    # -- layout -------------------------------------------------------------------------------------
+    def shard_range(self, slot: ParamSlot) -> tuple[int, int]:
+        """The part of ``slot`` held by this rank, as offsets into the local shard (may be empty)."""
+        lo = max(slot.offset, self.shard_start)
+        hi = min(slot.offset + slot.numel, self.shard_start + self.shard_numel)
+        lo -= self.shard_start
+        return lo, max(lo, hi - self.shard_start)
+
+    def _make_shard_param(self, slot: ParamSlot) -> nn.Parameter:
+        lo, hi = self.shard_range(slot)
+        return nn.Parameter(self.shard[lo:hi], requires_grad=slot.requires_grad)
+
+    # -- gathered buffer ----------------------------------------------------------------------------
+    @property
+    def is_allocated(self) -> bool:
+        return self.gathered.untyped_storage().size() > 0
+
+    def allocate(self) -> Tensor:
+        """Give the gathered buffer its storage back; returns the buffer to gather into."""
+        if not self.is_allocated:
+            self.gathered.untyped_storage().resize_(self.padded_numel * self.gathered.element_size())
+        return self.gathered
+
+    def free(self) -> None:
+        if not self.aliases_shard:
+            self.gathered.untyped_storage().resize_(0)
+
+    def shard_for_gather(self) -> Tensor:
+        """This rank's contribution to the all-gather, in the compute dtype."""
+        return self.shard.to(self.param_dtype)
+
+    # -- module attributes --------------------------------------------------------------------------
+    def use_gathered(self) -> None:
+        self._register(self.gathered_params)
+
+    def use_shards(self) -> None:
+        self._register(self.shard_params)
+
+    def _register(self, params: list[nn.Parameter]) -> None:
+        for slot, param in zip(self.slots, params):
+            for module, attr in slot.locations:
+                module._parameters[attr] = param
+
+    # -- gradients ----------------------------------------------------------------------------------
+    def has_unsharded_grads(self) -> bool:
+        return any(self.gathered_params[i].grad is not None for i in self.trainable)
+
+    def take_unsharded_grads(self, dtype: torch.dtype) -> tuple[Tensor, list[int]]:
+        """Flatten the gathered parameters' gradients into one padded buffer and release them.
+
+        Also returns the slots that had a gradient: a parameter unused in this backward keeps
+        ``.grad = None`` on its shard, so optimizers skip it exactly as they would without sharding.
+        """
+        pieces, used = [], []
+        for i, (slot, param) in enumerate(zip(self.slots, self.gathered_params)):
+            grad = param.grad
+            if grad is None:
+                pieces.append(self.shard.new_zeros(slot.numel, dtype=dtype))
+            else:
+                pieces.append(grad.reshape(-1).to(dtype))
+                used.append(i)
+            param.grad = None
+        padding = self.padded_numel - sum(s.numel for s in self.slots)
+        if padding:
+            pieces.append(self.shard.new_zeros(padding, dtype=dtype))
+        return torch.cat(pieces), used
+
+    def accumulate_shard_grad(self, reduced: Tensor, used: list[int]) -> None:
+        """Add this rank's reduced gradient shard to the shard parameters' ``.grad``.
+
+        Each ``.grad`` is a view of one flat ``shard_grad``, so accumulating is one add, unless the
+        optimizer replaced or cleared some ``.grad`` (``zero_grad(set_to_none=True)``) or a parameter
+        gets its first gradient; then a fresh buffer starts, keeping every surviving gradient.
+        """
+        reduced = reduced.to(self.master_dtype)
+        views = self._shard_grad_views
+        if (
+            self.shard_grad is not None
+            and all(i in views for i in used)
+            and all(self.shard_params[i].grad is v for i, v in views.items())
+        ):
+            self.shard_grad.add_(reduced)
+            return
+        new_views = {}
+        for i in self.trainable:
+            param = self.shard_params[i]
+            if i not in used and param.grad is None:
+                continue
+            lo, hi = self.shard_range(self.slots[i])
+            view = reduced[lo:hi]
+            if param.grad is not None:
+                view.add_(param.grad)
+            param.grad = view
+            new_views[i] = view
+        self.shard_grad, self._shard_grad_views = reduced, new_views

@@ -1,0 +1,275 @@
+"""When units are gathered, freed and reduced: the forward/backward hooks and their state.
+
+Per unit, per step (``full`` sharding)::
+
+    forward:   pre-forward  -> gather            post-forward -> free (not the root unit)
+    backward:  pre-backward -> gather (outputs' gradient hook)
+               post-backward -> reduce-scatter gradients (async), free (inputs' gradient hook)
+    end of backward (autograd final callback): reduce what is left, wait for every reduction,
+               hand the gradient shards to the shard parameters, free everything
+
+Note: the root unit has no forward of its own in Lightning (``training_step`` is not ``forward``), so a
+*step* is the root's scope: the strategy wraps each ``*_step`` in :meth:`ShardRuntime.step`, and the
+root module's own forward does the same when called outside a step. The root unit stays gathered from
+the start of a step until its backward has finished, since backward begins with it.
+
+Note: every rank must run the same units in the same order, as with any FSDP: collectives are issued
+from hooks, and their order is the order in which the hooks fire.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from lightning_shard import collectives
+from lightning_shard.collectives import CommStats, Pending
+from lightning_shard.flat_shard import FlatShard
+
+
+class Unit:
+    def __init__(self, name: str, members: list[nn.Module], storage: FlatShard, reshard_after_forward: bool):
+        self.name = name
+        self.members = members
+        self.storage = storage
+        self.reshard_after_forward = reshard_after_forward
+        self.is_gathered = False
+        self.backward_pending = 0  # forward calls whose post-backward has not fired yet
+
+    def __repr__(self) -> str:
+        return f"Unit({self.name!r}, numel={self.storage.padded_numel})"
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs; its backward runs once the unit's backward has finished."""
+
+    @staticmethod
+    def forward(ctx, runtime: "ShardRuntime", unit: Unit, *inputs: Tensor):  # type: ignore[override]
+        ctx.runtime, ctx.unit = runtime, unit
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor):  # type: ignore[override]
+        ctx.runtime._post_backward(ctx.unit)
+        return (None, None) + grads
+
+
+class ShardRuntime:
+    def __init__(
+        self,
+        root: nn.Module,
+        units: list[Unit],
+        root_unit: Optional[Unit],
+        group: Optional[dist.ProcessGroup],
+        reduce_dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        self.root = root
+        self.units = units  # root unit last
+        self.root_unit = root_unit
+        self.group = group
+        self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.reduce_dtype = reduce_dtype
+        self.stats = CommStats()
+        self.sync_grads = True  # False while accumulating without reduction (see no_sync)
+        self._depth = 0  # nesting of steps / root forwards
+        self._final_callback_queued = False
+        self._pending_reductions: list[tuple[Unit, Pending, list[int]]] = []
+        self._handles: list[Any] = []
+        self._install_hooks()
+
+    # -- gather / free ------------------------------------------------------------------------------
+    def gather(self, unit: Unit) -> None:
+        if unit.is_gathered:
+            return
+        storage = unit.storage
+        if not storage.aliases_shard:
+            collectives.all_gather(storage.allocate(), storage.shard_for_gather(), self.group, self.stats).wait()
+        storage.use_gathered()
+        unit.is_gathered = True
+
+    def reshard(self, unit: Unit) -> None:
+        if not unit.is_gathered:
+            return
+        unit.storage.use_shards()
+        unit.storage.free()
+        unit.is_gathered = False
+
+    # -- steps (the root's scope) -------------------------------------------------------------------
+    @contextmanager
+    def step(self) -> Iterator[list]:
+        """Scope of one ``*_step``; put its output in the yielded list so backward can be anticipated."""
+        self._enter_step()
+        holder: list = []
+        try:
+            yield holder
+        finally:
+            self._exit_step(holder[0] if holder else None)
+
+    def _enter_step(self) -> None:
+        if self._depth == 0 and not self._final_callback_queued:
+            # a previous step that ran no backward may have left units gathered: their data may be stale
+            for unit in self.units:
+                self.reshard(unit)
+                unit.backward_pending = 0
+            self.stats.reset()
+            if self.root_unit is not None:
+                self.gather(self.root_unit)
+        self._depth += 1
+
+    def _exit_step(self, output: Any) -> None:
+        self._depth -= 1
+        if self._depth == 0 and not self._final_callback_queued and not _expects_backward(output):
+            for unit in self.units:
+                self.reshard(unit)
+
+    def after_optimizer_step(self) -> None:
+        """Re-gather units still gathered across an optimizer step (manual optimization): shards changed."""
+        for unit in self.units:
+            if unit.is_gathered and not unit.storage.aliases_shard:
+                unit.is_gathered = False
+                self.gather(unit)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate unsharded gradients locally, without reduction (costs a full gradient per unit)."""
+        previous, self.sync_grads = self.sync_grads, False
+        try:
+            yield
+        finally:
+            self.sync_grads = previous
+
+    # -- hooks --------------------------------------------------------------------------------------
+    def _install_hooks(self) -> None:
+        for unit in self.units:
+            if unit is self.root_unit:
+                continue
+            for member in unit.members:
+                self._handles.append(
+                    member.register_forward_pre_hook(
+                        lambda m, a, k, u=unit: self._pre_forward(u, a, k), with_kwargs=True
+                    )
+                )
+                self._handles.append(
+                    member.register_forward_hook(
+                        lambda m, a, k, out, u=unit: self._post_forward(u, m, out), with_kwargs=True
+                    )
+                )
+            for param, slot in zip(unit.storage.gathered_params, unit.storage.slots):
+                if slot.requires_grad:
+                    self._handles.append(param.register_post_accumulate_grad_hook(self._on_grad_accumulated))
+        if self.root_unit is not None:
+            for param, slot in zip(self.root_unit.storage.gathered_params, self.root_unit.storage.slots):
+                if slot.requires_grad:
+                    self._handles.append(param.register_post_accumulate_grad_hook(self._on_grad_accumulated))
+        self._handles.append(self.root.register_forward_pre_hook(lambda m, a: self._enter_step()))
+        self._handles.append(
+            self.root.register_forward_hook(lambda m, a, out: self._exit_step(out), always_call=True)
+        )
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _pre_forward(self, unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        self.gather(unit)
+        if not torch.is_grad_enabled():
+            return args, kwargs
+        flat, spec = tree_flatten((args, kwargs))
+        positions = [i for i, x in enumerate(flat) if isinstance(x, Tensor) and x.requires_grad]
+        if not positions:  # nothing to hook: the final callback reduces this unit
+            return args, kwargs
+        unit.backward_pending += 1
+        hooked = _PostBackward.apply(self, unit, *(flat[i] for i in positions))
+        for i, tensor in zip(positions, hooked):
+            flat[i] = tensor
+        return tree_unflatten(flat, spec)
+
+    def _post_forward(self, unit: Unit, module: nn.Module, output: Any) -> Any:
+        grad_enabled = torch.is_grad_enabled()
+        if module is unit.members[-1] and (unit.reshard_after_forward or not grad_enabled):
+            self.reshard(unit)
+        if grad_enabled:
+            tensors = [x for x in tree_flatten(output)[0] if isinstance(x, Tensor) and x.requires_grad]
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(tensors, lambda _: self._pre_backward(unit), mode="any")
+        return output
+
+    def _pre_backward(self, unit: Unit) -> None:
+        self._queue_final_callback()
+        self.gather(unit)
+
+    def _on_grad_accumulated(self, _param: Tensor) -> None:
+        self._queue_final_callback()
+
+    def _post_backward(self, unit: Unit) -> None:
+        unit.backward_pending -= 1
+        if unit.backward_pending > 0:  # another call of this unit still runs its backward
+            return
+        self._reduce(unit)
+        self.reshard(unit)
+
+    def _queue_final_callback(self) -> None:
+        if not self._final_callback_queued:
+            self._final_callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    # -- gradient reduction -------------------------------------------------------------------------
+    def _reduce(self, unit: Unit) -> None:
+        storage = unit.storage
+        if not self.sync_grads or not storage.has_unsharded_grads():
+            return
+        flat, used = storage.take_unsharded_grads(self.reduce_dtype or storage.param_dtype)
+        if self.world_size > 1:
+            flat.div_(self.world_size)  # average like DDP: divide first, then sum
+        if storage.world_size > 1:
+            pending = collectives.reduce_scatter(flat, self.group, self.stats, async_op=True)
+        elif self.world_size > 1:
+            pending = collectives.all_reduce(flat, self.group, self.stats, async_op=True)
+        else:
+            pending = Pending(None, flat, self.stats)
+        self._pending_reductions.append((unit, pending, used))
+
+    def _finish_backward(self) -> None:
+        self._final_callback_queued = False
+        for unit in self.units:  # units whose post-backward did not fire (inputs without grad, root)
+            self._reduce(unit)
+        for unit, pending, used in self._pending_reductions:
+            unit.storage.accumulate_shard_grad(pending.wait(), used)
+        self._pending_reductions.clear()
+        for unit in self.units:
+            unit.backward_pending = 0
+            if unit is not self.root_unit or self._depth == 0:
+                self.reshard(unit)
+
+    # -- norms --------------------------------------------------------------------------------------
+    @property
+    def grads_are_sharded(self) -> bool:
+        return any(unit.storage.world_size > 1 for unit in self.units)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, parameters: list[Tensor], max_norm: float) -> Tensor:
+        """Clip by the global norm over all shards, as ``torch.nn.utils.clip_grad_norm_`` on the full model."""
+        grads = [p.grad for p in parameters if p.grad is not None]
+        device = grads[0].device if grads else self.units[0].storage.shard.device
+        sq = torch.zeros((), dtype=torch.float32, device=device)
+        for g in grads:
+            sq += g.detach().float().pow(2).sum()
+        if self.grads_are_sharded and self.world_size > 1:
+            dist.all_reduce(sq, group=self.group)
+        total_norm = sq.sqrt()
+        clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(clip_coef.to(g.dtype))
+        return total_norm
+
+
+def _expects_backward(output: Any) -> bool:
+    return torch.is_grad_enabled() and any(
+        isinstance(x, Tensor) and x.requires_grad for x in tree_flatten(output)[0]
+    )

@@ -1,0 +1,202 @@
+"""Which parameters become which unit.
+
+A *unit* is the granularity of communication: its parameters are flattened into one buffer that is
+all-gathered and reduce-scattered with one collective. A unit has one or more *member* modules
+(several only when ``unit_size`` packs consecutive siblings); its parameters are those registered in
+its members' subtrees and not claimed by a nested unit. Whatever no unit claims belongs to the root
+unit. A parameter shared by modules of different units (tied weights) belongs to the innermost unit
+that encloses all of them, so it is gathered whenever any of its users runs.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+from torch import nn
+
+UnitSpec = Union[str, type]
+
+
+@dataclass
+class UnitPlan:
+    """One planned unit: its member modules (by name) and the parameters it owns."""
+
+    members: list[str]
+    # each owned parameter once, with every (module name, attribute) under which it is registered
+    params: list[tuple[nn.Parameter, list[tuple[str, str]]]] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return ",".join(m or "<root>" for m in self.members)
+
+    def numel(self) -> int:
+        return sum(p.numel() for p, _ in self.params)
+
+
+def validate_units(units: Optional[Union[UnitSpec, Sequence[UnitSpec]]]) -> Optional[tuple[UnitSpec, ...]]:
+    if units is None:
+        return None
+    if isinstance(units, (str, type)):
+        units = [units]
+    units = tuple(units)
+    for u in units:
+        if not isinstance(u, (str, type)) or (isinstance(u, type) and not issubclass(u, nn.Module)):
+            raise TypeError(
+                f"`units` entries must be nn.Module classes or class names (str), got {u!r} of type {type(u).__name__}."
+            )
+    return units
+
+
+def validate_unit_size(unit_size: object) -> Optional[int]:
+    if unit_size is None:
+        return None
+    if isinstance(unit_size, bool) or not isinstance(unit_size, int) or unit_size <= 0:
+        raise ValueError(f"`unit_size` must be a positive int (a number of parameters), got {unit_size!r}.")
+    return unit_size
+
+
+def plan_units(
+    root: nn.Module,
+    units: Optional[Sequence[UnitSpec]] = None,
+    unit_size: Optional[int] = None,
+) -> list[UnitPlan]:
+    """Return the unit plans, innermost first and the root unit last.
+
+    With neither ``units`` nor ``unit_size``, every instance of the outermost module classes that occur
+    more than once and are not ``torch.nn`` built-ins (a transformer's blocks) becomes a unit.
+    """
+    if units is not None and unit_size is not None:
+        raise ValueError("Give either `units` (module classes) or `unit_size` (a parameter budget), not both.")
+    if unit_size is not None:
+        member_groups = _pack_by_size(root, unit_size)
+    else:
+        member_groups = [[name] for name in _match_classes(root, units)]
+    return _assign_params(root, member_groups)
+
+
+def _class_matches(module: nn.Module, specs: Sequence[UnitSpec]) -> Optional[UnitSpec]:
+    for spec in specs:
+        if (isinstance(spec, str) and type(module).__name__ == spec) or (
+            isinstance(spec, type) and isinstance(module, spec)
+        ):
+            return spec
+    return None
+
+
+def _match_classes(root: nn.Module, specs: Optional[Sequence[UnitSpec]]) -> list[str]:
+    if specs is None:
+        specs = _repeated_block_classes(root)
+    used: set = set()
+    names = []
+    for name, module in root.named_modules():
+        spec = _class_matches(module, specs) if module is not root else None
+        if spec is not None:
+            used.add(spec)
+            names.append(name)
+    for spec in specs:
+        if spec not in used:
+            label = spec if isinstance(spec, str) else spec.__qualname__
+            warnings.warn(f"`units` entry {label!r} matches no module of {type(root).__name__}; it is ignored.")
+    return names
+
+
+def _repeated_block_classes(root: nn.Module) -> list[type]:
+    counts: dict[type, int] = {}
+    for module in root.modules():
+        cls = type(module)
+        if module is not root and not cls.__module__.startswith("torch.") and _has_params(module):
+            counts[cls] = counts.get(cls, 0) + 1
+    repeated = {cls for cls, n in counts.items() if n > 1}
+    # keep only the outermost repeated classes: a block's attention is not a unit of its own
+    outermost: set = set()
+
+    def visit(module: nn.Module) -> None:
+        if type(module) in repeated and module is not root:
+            outermost.add(type(module))
+            return
+        for child in module.children():
+            visit(child)
+
+    visit(root)
+    return sorted(outermost, key=lambda c: c.__qualname__)
+
+
+def _has_params(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
+
+
+def _subtree_numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _pack_by_size(root: nn.Module, budget: int) -> list[list[str]]:
+    """Pack consecutive sibling subtrees into groups of at most ``budget`` parameters.
+
+    A subtree larger than the budget is split among its children; a leaf larger than the budget
+    becomes a unit of its own (a module cannot be split).
+    """
+    groups: list[list[str]] = []
+
+    def pack(module: nn.Module, prefix: str) -> None:
+        current: list[str] = []
+        current_size = 0
+        for child_name, child in module.named_children():
+            name = f"{prefix}{child_name}"
+            size = _subtree_numel(child)
+            if size == 0:
+                continue
+            if size > budget:
+                if current:
+                    groups.append(current)
+                current, current_size = [], 0
+                if any(_has_params(c) for c in child.children()):
+                    pack(child, name + ".")
+                else:
+                    groups.append([name])
+            elif current_size + size <= budget:
+                current.append(name)
+                current_size += size
+            else:
+                groups.append(current)
+                current, current_size = [name], size
+        if current:
+            groups.append(current)
+
+    if _subtree_numel(root) > budget:
+        pack(root, "")
+    return groups
+
+
+def _assign_params(root: nn.Module, member_groups: list[list[str]]) -> list[UnitPlan]:
+    plans = [UnitPlan(members=group) for group in member_groups]
+    root_plan = UnitPlan(members=[""])
+    unit_of_member = {m: plan for plan in plans for m in plan.members}
+
+    def enclosing_units(module_name: str) -> list[UnitPlan]:
+        """Units enclosing a module, innermost first, ending with the root unit."""
+        chain = []
+        parts = module_name.split(".") if module_name else []
+        for i in range(len(parts), 0, -1):
+            plan = unit_of_member.get(".".join(parts[:i]))
+            if plan is not None:
+                chain.append(plan)
+        chain.append(root_plan)
+        return chain
+
+    refs: dict[int, tuple[nn.Parameter, list[tuple[str, str]]]] = {}
+    for module_name, module in root.named_modules(remove_duplicate=False):
+        for attr, param in module._parameters.items():
+            if param is not None:
+                refs.setdefault(id(param), (param, []))[1].append((module_name, attr))
+    for param, locations in refs.values():
+        chains = [enclosing_units(module_name) for module_name, _ in locations]
+        common = next(u for u in chains[0] if all(u in chain for chain in chains[1:]))
+        common.params.append((param, _dedupe(locations)))
+    return [plan for plan in plans if plan.params] + [root_plan]
+
+
+def _dedupe(locations: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    return list(dict.fromkeys(locations))
