@@ -6,9 +6,10 @@ They know nothing of modules or hooks: a flat buffer goes in, a flat buffer (or 
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -55,12 +56,13 @@ class Pending:
         return self.result
 
 
-def _run(op, stats: CommStats, result: Tensor, async_op: bool, keep_alive: tuple, *args, **kwargs) -> Pending:
+def _run(launch: Callable[..., Optional[dist.Work]], result: Tensor, stats: CommStats, async_op: bool,
+         keep_alive: tuple = ()) -> Pending:
     stats.collectives += 1
     if async_op:
-        return Pending(op(*args, async_op=True, **kwargs), result, stats, keep_alive)
+        return Pending(launch(async_op=True), result, stats, keep_alive)
     start = time.perf_counter()
-    op(*args, **kwargs)
+    launch()
     stats.exposed_seconds += time.perf_counter() - start
     return Pending(None, result, stats)
 
@@ -70,7 +72,8 @@ def all_gather(output: Tensor, shard: Tensor, group, stats: CommStats, async_op:
     # Writing into a parameter's storage is not an autograd-visible change of its value.
     with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(output):
         stats.all_gather_bytes += output.numel() * output.element_size()
-        return _run(_all_gather, stats, output, async_op, (shard,), output, shard, group=group)
+        launch = functools.partial(_all_gather, output, shard, group=group)
+        return _run(launch, output, stats, async_op, (shard,))
 
 
 def reduce_scatter(flat: Tensor, group, stats: CommStats, async_op: bool = False) -> Pending:
@@ -78,10 +81,12 @@ def reduce_scatter(flat: Tensor, group, stats: CommStats, async_op: bool = False
     world = dist.get_world_size(group)
     output = flat.new_empty(flat.numel() // world)
     stats.reduce_scatter_bytes += flat.numel() * flat.element_size()
-    return _run(_reduce_scatter, stats, output, async_op, (flat,), output, flat, op=dist.ReduceOp.SUM, group=group)
+    launch = functools.partial(_reduce_scatter, output, flat, op=dist.ReduceOp.SUM, group=group)
+    return _run(launch, output, stats, async_op, (flat,))
 
 
 def all_reduce(flat: Tensor, group, stats: CommStats, async_op: bool = False) -> Pending:
     """Sum ``flat`` over ranks, in place."""
-    stats.all_reduce_bytes += flat.numel() * flat.element_size()
-    return _run(dist.all_reduce, stats, flat, async_op, (), flat, op=dist.ReduceOp.SUM, group=group)
+    stats.all_reduce_bytes += 2 * flat.numel() * flat.element_size()  # a reduce-scatter plus an all-gather
+    launch = functools.partial(dist.all_reduce, flat, op=dist.ReduceOp.SUM, group=group)
+    return _run(launch, flat, stats, async_op)

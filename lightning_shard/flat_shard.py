@@ -67,13 +67,13 @@ class FlatShard:
             self.gathered = self.shard
         else:
             self.gathered = torch.empty(self.padded_numel, dtype=self.param_dtype, device=flat.device)
-            self.gathered.untyped_storage().resize_(0)
 
         self.shard_params = [self._make_shard_param(s) for s in slots]
         self.gathered_params = [
             nn.Parameter(self.gathered[s.offset : s.offset + s.numel].view(s.shape), requires_grad=s.requires_grad)
             for s in slots
         ]
+        self.free()  # views exist now; the storage comes back at the first gather
         self.trainable = [i for i, s in enumerate(slots) if s.requires_grad]
         self.shard_grad: Optional[Tensor] = None
         self._shard_grad_views: dict[int, Tensor] = {}

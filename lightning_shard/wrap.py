@@ -128,6 +128,14 @@ def _has_params(module: nn.Module) -> bool:
     return next(module.parameters(), None) is not None
 
 
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
+def _splittable(module: nn.Module) -> bool:
+    builtin = type(module).__module__.startswith("torch.nn") and not isinstance(module, _CONTAINERS)
+    return not builtin and any(_has_params(c) for c in module.children())
+
+
 def _subtree_numel(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
@@ -137,6 +145,10 @@ def _pack_by_size(root: nn.Module, budget: int) -> list[list[str]]:
 
     A subtree larger than the budget is split among its children; a leaf larger than the budget
     becomes a unit of its own (a module cannot be split).
+
+    Note: a unit's hooks fire only when its members are *called*. ``torch.nn`` built-ins other than
+    containers are therefore never split (``nn.MultiheadAttention`` reads ``out_proj.weight`` without
+    calling ``out_proj``); user modules that do the same should be wrapped by class instead.
     """
     groups: list[list[str]] = []
 
@@ -152,7 +164,7 @@ def _pack_by_size(root: nn.Module, budget: int) -> list[list[str]]:
                 if current:
                     groups.append(current)
                 current, current_size = [], 0
-                if any(_has_params(c) for c in child.children()):
+                if _splittable(child):
                     pack(child, name + ".")
                 else:
                     groups.append([name])

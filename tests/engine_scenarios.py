@@ -1,0 +1,97 @@
+"""Scenarios run inside a gloo world (see world.py): the sharded model against DDP on the same batch."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from lightning_shard import shard_module
+from lightning_shard.state_dict import full_state_dict
+from tests import models
+
+SCENARIOS = {
+    # name: (model class, shard_module kwargs)
+    "gpt": (models.TinyGPT, {}),
+    "gpt_unit_size": (models.TinyGPT, {"unit_size": 700}),
+    "tied_split": (models.SplitTiedGPT, {"units": ["Embed", "Head", "Block"]}),
+    "odd": (models.Odd, {"unit_size": 9}),
+    "frozen": (models.FrozenMix, {}),
+    "misc": (models.Misc, {"units": ["Twice", "Rare", "BatchNorm1d"]}),
+}
+
+
+def param_groups(model: nn.Module) -> list[dict]:
+    """No weight decay on biases, norms and scalars: built from names, as users do."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (no_decay if name.endswith("bias") or "ln" in name or "norm" in name or "scale" in name else decay).append(p)
+    return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def train(model, loss_fn, batches, rank, world, accumulate=1, clip=None, runtime=None):
+    opt = torch.optim.AdamW(param_groups(model), lr=1e-2)
+    losses = []
+    for step, batch in enumerate(batches):
+        local = batch.chunk(world)[rank]
+        micro = local.chunk(accumulate)
+        total = 0.0
+        for i, mb in enumerate(micro):
+            sync = i == accumulate - 1
+            ctx = model.no_sync() if isinstance(model, DDP) and not sync else _null()
+            with ctx:
+                loss = loss_fn(model, mb, step) / accumulate
+                loss.backward()
+            total += loss.detach()
+        if clip is not None:
+            if runtime is None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            else:
+                runtime.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        dist.all_reduce(total)
+        losses.append((total / world).item())
+    return losses
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return False
+
+
+def parity(rank: int, world: int, scenario: str, modes=("full", "grad_op", "none"), steps=20, accumulate=1, clip=None):
+    model_cls, kwargs = SCENARIOS[scenario]
+    g = torch.Generator().manual_seed(1234)
+    batches = [model_cls.batch(g, 12 * accumulate) for _ in range(steps)]
+    report = {}
+    for mode in modes:
+        torch.manual_seed(0)
+        reference = model_cls()
+        sharded = copy.deepcopy(reference)
+        ddp = DDP(reference, find_unused_parameters=scenario == "misc")
+        ref_losses = train(ddp, model_cls.loss, batches, rank, world, accumulate, clip)
+
+        runtime = shard_module(sharded, sharding=mode, **kwargs)
+        losses = train(sharded, model_cls.loss, batches, rank, world, accumulate, clip, runtime=runtime)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"[{scenario}/{mode}] per-step losses differ from DDP: {m}")
+        full = full_state_dict(runtime, rank0_only=False)
+        expected = reference.state_dict()
+        assert full.keys() == expected.keys(), (full.keys(), expected.keys())
+        for name, value in expected.items():
+            if "running" in name or "num_batches" in name:
+                if rank == 0:  # DDP broadcasts rank 0's buffers; we keep each rank's own
+                    torch.testing.assert_close(full[name], value, rtol=1e-5, atol=1e-6)
+                continue
+            torch.testing.assert_close(full[name], value, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, n=name: f"[{scenario}/{mode}] parameter {n}: {m}")
+        report[mode] = {"units": len(runtime.units), "first_loss": losses[0], "last_loss": losses[-1]}
+    return report

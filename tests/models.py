@@ -1,0 +1,179 @@
+"""Small models that exercise the engine's corner cases. Sizes are chosen odd on purpose."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, num_heads=1, batch_first=True, bias=False)  # key bias has zero grad
+        self.ln2 = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 3 * d), nn.GELU(), nn.Linear(3 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(nn.Module):
+    """Token embedding tied with the output head, learned positions, repeated blocks."""
+
+    def __init__(self, vocab: int = 37, d: int = 14, n_blocks: int = 3, seq: int = 9) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.wpe = nn.Parameter(torch.randn(seq, d) * 0.02)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(n_blocks))
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx) + self.wpe[: idx.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+    @staticmethod
+    def loss(model: nn.Module, batch: torch.Tensor, step: int) -> torch.Tensor:
+        logits = model(batch[:, :-1])
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+
+    @staticmethod
+    def batch(generator: torch.Generator, n: int) -> torch.Tensor:
+        return torch.randint(0, 37, (n, 10), generator=generator)
+
+
+class Embed(nn.Module):
+    def __init__(self, vocab: int, d: int) -> None:
+        super().__init__()
+        self.table = nn.Embedding(vocab, d)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.table(idx)
+
+
+class Head(nn.Module):
+    def __init__(self, vocab: int, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.proj = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.norm(x))
+
+
+class SplitTiedGPT(TinyGPT):
+    """The tied embedding and head live in different units (``units=["Embed", "Head", "Block"]``)."""
+
+    def __init__(self, vocab: int = 37, d: int = 14) -> None:
+        super().__init__(vocab, d)
+        del self.wte, self.head, self.ln_f
+        self.embed = Embed(vocab, d)
+        self.out = Head(vocab, d)
+        self.out.proj.weight = self.embed.table.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx) + self.wpe[: idx.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+class Odd(nn.Module):
+    """Parameters of 1, 5, 7 and 13 elements: smaller than and not divisible by the world size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(0.9))
+        self.a = nn.Linear(6, 7)  # 42 + 7
+        self.b = nn.Linear(7, 1)  # 7 + 1
+        self.c = nn.Linear(1, 5)  # 5 + 5
+        self.d = nn.Linear(5, 13, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.d(self.c(self.b(torch.tanh(self.a(x))))) * self.scale
+
+    @staticmethod
+    def loss(model: nn.Module, batch: torch.Tensor, step: int) -> torch.Tensor:
+        return model(batch).pow(2).mean()
+
+    @staticmethod
+    def batch(generator: torch.Generator, n: int) -> torch.Tensor:
+        return torch.randn(n, 6, generator=generator)
+
+
+class FrozenMix(nn.Module):
+    """One unit mixing frozen and trainable parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(10) for _ in range(2))
+        self.blocks[0].mlp[0].weight.requires_grad_(False)
+        self.blocks[1].ln1.bias.requires_grad_(False)
+        self.blocks[1].attn.in_proj_weight.requires_grad_(False)
+        self.out = nn.Linear(10, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+    @staticmethod
+    def loss(model: nn.Module, batch: torch.Tensor, step: int) -> torch.Tensor:
+        return model(batch).pow(2).mean()
+
+    @staticmethod
+    def batch(generator: torch.Generator, n: int) -> torch.Tensor:
+        return torch.randn(n, 4, 10, generator=generator)
+
+
+class Twice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(torch.relu(self.lin(x)))
+
+
+class Rare(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+class Misc(nn.Module):
+    """BatchNorm buffers, parameter-free modules, a unit called twice, a unit unused on odd steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(5, 8, bias=False)  # a bias before BatchNorm has zero gradient
+        self.bn = nn.BatchNorm1d(8)
+        self.act = nn.Sequential(nn.ReLU(), nn.Identity(), nn.Dropout(0.0))
+        self.twice = Twice()
+        self.rare = Rare()
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor, use_rare: bool) -> torch.Tensor:
+        h = self.act(self.bn(self.inp(x)))
+        h = self.twice(h)
+        if use_rare:
+            h = self.rare(h)
+        return self.out(h)
+
+    @staticmethod
+    def loss(model: nn.Module, batch: torch.Tensor, step: int) -> torch.Tensor:
+        return model(batch, use_rare=step % 2 == 0).pow(2).mean()
+
+    @staticmethod
+    def batch(generator: torch.Generator, n: int) -> torch.Tensor:
+        return torch.randn(n, 5, generator=generator)

@@ -1,0 +1,77 @@
+"""Run a function on a real multi-process gloo world, with a hard timeout: a hang fails, never stalls."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+            timeout=timedelta(seconds=60),
+        )
+        result = fn(rank, world_size, *args)
+        with open(os.path.join(out_dir, f"result{rank}"), "wb") as f:
+            pickle.dump(result, f)
+    except BaseException:
+        with open(os.path.join(out_dir, f"error{rank}"), "w") as f:
+            f.write(traceback.format_exc())
+        raise SystemExit(1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_world(fn: Callable, world_size: int, *args: Any, timeout: float = 240) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on every rank; return the per-rank results or raise."""
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as out_dir:
+        port = _free_port()
+        procs = [
+            ctx.Process(target=_worker, args=(r, world_size, port, out_dir, fn, args), daemon=True)
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout)
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        errors = []
+        for r in range(world_size):
+            path = os.path.join(out_dir, f"error{r}")
+            if os.path.exists(path):
+                errors.append(f"--- rank {r} ---\n{open(path).read()}")
+        if errors:
+            raise AssertionError("\n".join(errors))
+        if hung:
+            raise TimeoutError(f"ranks {hung} did not finish within {timeout}s")
+        bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
+        if bad:
+            raise AssertionError(f"ranks exited with non-zero codes: {bad}")
+        results = []
+        for r in range(world_size):
+            with open(os.path.join(out_dir, f"result{r}"), "rb") as f:
+                results.append(pickle.load(f))
+        return results
