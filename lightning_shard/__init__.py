@@ -1,5 +1,14 @@
-"""lightning_shard: fully sharded data parallel training for PyTorch Lightning."""
+"""lightning_shard: fully sharded data parallel training for PyTorch Lightning.
+
+Importing the package registers the strategy names ``"lightning_shard"``, ``"lightning_shard_grad_op"``
+and ``"lightning_shard_no_shard"`` with Lightning's ``StrategyRegistry``.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_shard.shard_module import shard_module
+from lightning_shard.strategy import ShardStrategy
 
-__all__ = ["shard_module"]
+ShardStrategy.register_strategies(StrategyRegistry)
+
+__all__ = ["ShardStrategy", "shard_module"]

@@ -20,7 +20,7 @@ from hooks, and their order is the order in which the hooks fire.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -100,15 +100,15 @@ class ShardRuntime:
         unit.is_gathered = False
 
     # -- steps (the root's scope) -------------------------------------------------------------------
-    @contextmanager
-    def step(self) -> Iterator[list]:
-        """Scope of one ``*_step``; put its output in the yielded list so backward can be anticipated."""
+    def run_step(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run one ``*_step`` as the root's scope (see the module note)."""
         self._enter_step()
-        holder: list = []
+        output = None
         try:
-            yield holder
+            output = step(*args, **kwargs)
+            return output
         finally:
-            self._exit_step(holder[0] if holder else None)
+            self._exit_step(output)
 
     def _enter_step(self) -> None:
         if self._depth == 0 and not self._final_callback_queued:

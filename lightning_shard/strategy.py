@@ -1,0 +1,285 @@
+"""ShardStrategy: the Lightning face of the engine (process group, sharding at setup, steps,
+optimizer and precision hooks, checkpoint state)."""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
+from datetime import timedelta
+from typing import Any, Callable, Optional, Union
+
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch.optim import Optimizer
+
+import lightning.pytorch as pl
+from lightning_shard.optim_state import full_optimizer_state_dict, load_full_optimizer_state_dict
+from lightning_shard.precision import ShardPrecision
+from lightning_shard.runtime import ShardRuntime
+from lightning_shard.shard_module import shard_module, validate_sharding
+from lightning_shard.state_dict import full_state_dict, load_full_state_dict
+from lightning_shard.wrap import UnitSpec, validate_unit_size, validate_units
+
+
+class ShardStrategy(ParallelStrategy):
+    """Fully sharded data parallel training, implemented on ``torch.distributed`` collectives.
+
+    Args:
+        sharding: ``"full"`` (ZeRO-3: parameters, gradients and optimizer state sharded; parameters
+            gathered per unit in forward and again in backward), ``"grad_op"`` (ZeRO-2: parameters stay
+            gathered from forward to backward), ``"none"`` (replicated, DDP-like).
+        units: module classes, or class names, whose every instance becomes one unit.
+        unit_size: a parameter budget: consecutive submodules are packed into units of at most this
+            many parameters. With neither, each instance of a repeated block class is a unit.
+        prefetch: how many units ahead to all-gather while the current one computes (0: off).
+        reduce_during_accumulation: reduce-scatter gradients after every micro-batch, keeping gradient
+            memory at 1/N. ``False`` skips the reduction on non-final micro-batches of
+            ``accumulate_grad_batches``: less communication, but a full gradient per unit is held.
+        timeout: bound on every collective (a ``timedelta`` or seconds).
+    """
+
+    strategy_name = "lightning_shard"
+
+    def __init__(
+        self,
+        sharding: str = "full",
+        units: Optional[Union[UnitSpec, Sequence[UnitSpec]]] = None,
+        unit_size: Optional[int] = None,
+        prefetch: int = 1,
+        reduce_during_accumulation: bool = True,
+        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[Union[timedelta, float]] = default_pg_timeout,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self.sharding = validate_sharding(sharding)
+        self.units = validate_units(units)
+        self.unit_size = validate_unit_size(unit_size)
+        if self.units is not None and self.unit_size is not None:
+            raise ValueError("Give either `units` (module classes) or `unit_size` (a parameter budget), not both.")
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"`prefetch` must be an int >= 0 (units gathered ahead), got {prefetch!r}.")
+        self.prefetch = prefetch
+        self.reduce_during_accumulation = bool(reduce_during_accumulation)
+        if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+            timeout = timedelta(seconds=timeout)
+        if timeout is not None and not isinstance(timeout, timedelta):
+            raise ValueError(f"`timeout` must be a timedelta or a number of seconds, got {timeout!r}.")
+        self._timeout = timeout
+        self._process_group_backend = process_group_backend
+        self.num_nodes = 1
+        self.runtime: Optional[ShardRuntime] = None
+
+    # -- properties Lightning asks for --------------------------------------------------------------
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:  # DistributedSampler injection and `sync_dist` depend on it
+        return True
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:  # load into the sharded model
+        return True
+
+    @property
+    def precision_plugin(self) -> ShardPrecision:
+        return self._precision_plugin if self._precision_plugin is not None else ShardPrecision()
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+        self._precision_plugin = ShardPrecision.from_lightning(plugin) if plugin is not None else None
+
+    @property
+    def comm_stats(self) -> dict[str, float]:
+        return self.runtime.stats.as_dict() if self.runtime is not None else {}
+
+    # -- processes ----------------------------------------------------------------------------------
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        assert self.cluster_environment is not None
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    # -- setup --------------------------------------------------------------------------------------
+    def setup(self, trainer: "pl.Trainer") -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        if self.runtime is None or self.runtime.root is not self.model:
+            if trainer.state.fn == TrainerFn.FITTING and self._layer_sync:
+                self.model = self._layer_sync.apply(self.model)
+            self.model = self.precision_plugin.convert_module(self.model)
+            self.model_to_device()
+            self.runtime = shard_module(self.model, sharding=self.sharding, units=self.units, unit_size=self.unit_size)
+            rank_zero_info(
+                f"lightning_shard: sharding={self.sharding!r}, {len(self.runtime.units)} units over"
+                f" {self.world_size} ranks: {[u.name for u in self.runtime.units]}"
+            )
+        self.precision_plugin.runtime = self.runtime
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def setup_optimizers(self, trainer: "pl.Trainer") -> None:
+        self._reset_optimizers_and_schedulers()  # references to parameters of an earlier setup are stale
+        super().setup_optimizers(trainer)
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        if self.runtime is None:  # moving a sharded model would break its shard views
+            self.model.to(self.root_device)
+
+    # -- steps --------------------------------------------------------------------------------------
+    def _run_step(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        assert self.runtime is not None
+        return self.runtime.run_step(step, *args, **kwargs)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run_step(super().training_step, *args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run_step(super().validation_step, *args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run_step(super().test_step, *args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run_step(super().predict_step, *args, **kwargs)
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Non-final micro-batches of gradient accumulation."""
+        if self.reduce_during_accumulation or self.runtime is None:
+            yield
+        else:
+            with self.runtime.no_sync():
+                yield
+
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        assert self.runtime is not None
+        self.runtime.after_optimizer_step()
+        return output
+
+    # -- collectives for Lightning (logging, metrics, decisions) ------------------------------------
+    def barrier(self, name: Optional[str] = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if torch.distributed.get_backend() == "nccl":
+            torch.distributed.barrier(device_ids=[self.root_device.index])
+        else:
+            torch.distributed.barrier()
+
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        holder = [obj]
+        torch.distributed.broadcast_object_list(holder, src, group=_group.WORLD)
+        return holder[0]
+
+    def reduce(
+        self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
+    ) -> Union[Tensor, Any]:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # -- state --------------------------------------------------------------------------------------
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The full, unsharded state dict on rank 0 (loads into the plain LightningModule)."""
+        assert self.runtime is not None
+        return full_state_dict(self.runtime, rank0_only=True)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        assert self.runtime is not None
+        load_full_state_dict(self.runtime, checkpoint["state_dict"], strict=strict)
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        assert self.runtime is not None
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        return full_optimizer_state_dict(self.runtime, optimizer, rank0_only=True)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        assert self.runtime is not None
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            load_full_optimizer_state_dict(self.runtime, optimizer, state)
+
+    def teardown(self) -> None:
+        # Unlike the base class, do not move the module to CPU: that would break its shard views.
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        for name, sharding in (
+            ("lightning_shard", "full"),
+            ("lightning_shard_grad_op", "grad_op"),
+            ("lightning_shard_no_shard", "none"),
+        ):
+            if name not in strategy_registry:
+                strategy_registry.register(name, cls, description=f"lightning_shard, sharding={sharding!r}",
+                                           sharding=sharding)

@@ -1,0 +1,130 @@
+"""A Lightning app run by the Lightning tests as a script (Trainer(devices=N) on CPU re-launches the
+script for the other ranks). It trains the same model under DDP and under ShardStrategy in one
+process group, then rank 0 saves what each run produced for the test to compare."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torchmetrics
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning as L
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import lightning_shard  # noqa: E402  (registers the strategy names)
+from lightning_shard import ShardStrategy  # noqa: E402
+from tests.models import TinyGPT  # noqa: E402
+
+
+class LitGPT(L.LightningModule):
+    def __init__(self, manual: bool = False) -> None:
+        super().__init__()
+        self.model = TinyGPT()
+        self.automatic_optimization = not manual
+        self.val_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=37, average="micro")
+        self.test_mean = torchmetrics.MeanMetric()
+        self.step_losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        (tokens,) = batch
+        loss = TinyGPT.loss(self.model, tokens, batch_idx)
+        self.log("train_loss", loss, sync_dist=True)
+        self.step_losses.append(self.all_gather(loss.detach()).mean().item())
+        if not self.automatic_optimization:
+            opt = self.optimizers()
+            opt.zero_grad()
+            self.manual_backward(loss)
+            opt.step()
+            self.lr_schedulers().step()
+            # a second forward in the same step, after the optimizer changed the shards
+            self.log("post_step_loss", TinyGPT.loss(self.model, tokens, batch_idx).detach(), sync_dist=True)
+            return None
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        (tokens,) = batch
+        logits = self.model(tokens[:, :-1])
+        self.val_acc(logits.argmax(-1).reshape(-1), tokens[:, 1:].reshape(-1))
+        self.log("val_loss", TinyGPT.loss(self.model, tokens, batch_idx), sync_dist=True)
+        self.log("val_acc", self.val_acc)
+
+    def test_step(self, batch, batch_idx):
+        (tokens,) = batch
+        self.test_mean(TinyGPT.loss(self.model, tokens, batch_idx))
+        self.log("test_loss", self.test_mean)
+
+    def predict_step(self, batch, batch_idx):
+        (tokens,) = batch
+        return self.model(tokens[:, :-1]).argmax(-1)
+
+    def configure_optimizers(self):
+        decay = [p for n, p in self.named_parameters() if p.dim() >= 2 or n.endswith("wpe")]
+        no_decay = [p for n, p in self.named_parameters() if not (p.dim() >= 2 or n.endswith("wpe"))]
+        # parameters are 1-D shards under ShardStrategy: groups are built from names, not shapes
+        if isinstance(self.trainer.strategy, ShardStrategy):
+            names = {n for n, p in LitGPT().named_parameters() if p.dim() >= 2 or n.endswith("wpe")}
+            decay = [p for n, p in self.named_parameters() if n in names]
+            no_decay = [p for n, p in self.named_parameters() if n not in names]
+        opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=1e-2
+        )
+        return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)]
+
+
+def loader(seed: int, n: int = 96) -> DataLoader:
+    g = torch.Generator().manual_seed(seed)
+    return DataLoader(TensorDataset(TinyGPT.batch(g, n)), batch_size=4)
+
+
+def run(strategy, args, max_epochs: int, ckpt_dir: str, resume: str | None = None) -> dict:
+    torch.manual_seed(0)
+    module = LitGPT(manual=args.manual)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=args.devices, strategy=strategy, max_epochs=max_epochs,
+        accumulate_grad_batches=1 if args.manual else args.accumulate,
+        gradient_clip_val=None if args.manual else args.clip, gradient_clip_algorithm=args.clip_algorithm,
+        logger=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True)],
+        num_sanity_val_steps=0, deterministic=True,
+    )
+    trainer.fit(module, loader(1), loader(2), ckpt_path=resume)
+    val = trainer.validate(module, loader(2), verbose=False)[0]
+    test = trainer.test(module, loader(3), verbose=False)[0]
+    predictions = torch.cat(trainer.predict(module, loader(3)))
+    state = trainer.strategy.lightning_module_state_dict() if isinstance(strategy, ShardStrategy) else module.state_dict()
+    return {"losses": module.step_losses, "state": state, "val": val, "test": test, "predict": predictions,
+            "comm": trainer.strategy.comm_stats if isinstance(strategy, ShardStrategy) else {}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--sharding", nargs="+", default=["full", "grad_op", "none"])
+    parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--clip", type=float, default=None)
+    parser.add_argument("--clip-algorithm", default="norm")
+    parser.add_argument("--manual", action="store_true")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--resume", action="store_true", help="also run: 1 epoch, then resume to --epochs")
+    args = parser.parse_args()
+
+    results = {"ddp": run("ddp", args, args.epochs, os.path.join(args.out, "ddp"))}
+    for sharding in args.sharding:
+        ckpt_dir = os.path.join(args.out, sharding)
+        results[sharding] = run(ShardStrategy(sharding=sharding), args, args.epochs, ckpt_dir)
+        if args.resume:
+            first = run(ShardStrategy(sharding=sharding), args, 1, ckpt_dir + "_resume")
+            resumed = run(ShardStrategy(sharding=sharding), args, args.epochs, ckpt_dir + "_resume",
+                          resume=os.path.join(ckpt_dir + "_resume", "last.ckpt"))
+            results[f"{sharding}_resumed"] = {**resumed, "losses": first["losses"] + resumed["losses"]}
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        torch.save(results, os.path.join(args.out, "results.pt"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""The strategy through a real Lightning Trainer (2 and 3 CPU processes, gloo), against DDP."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+APP = os.path.join(os.path.dirname(__file__), "lightning_app.py")
+pytestmark = pytest.mark.timeout(900)
+
+
+def run_app(tmp_path, *args: str) -> dict:
+    proc = subprocess.run(
+        [sys.executable, APP, "--out", str(tmp_path), *args],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return torch.load(tmp_path / "results.pt", weights_only=True)
+
+
+def assert_matches_ddp(results: dict, name: str) -> None:
+    ddp, run = results["ddp"], results[name]
+    assert len(run["losses"]) == len(ddp["losses"]) >= 16
+    torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(ddp["losses"]), rtol=1e-5, atol=1e-6)
+    assert run["state"].keys() == ddp["state"].keys()
+    for key, value in ddp["state"].items():
+        torch.testing.assert_close(run["state"][key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} {key}: {m}")
+    for stage in ("val", "test"):
+        assert run[stage].keys() == ddp[stage].keys()
+        for key in ddp[stage]:
+            assert run[stage][key] == pytest.approx(ddp[stage][key], rel=1e-5), (stage, key)
+    assert torch.equal(run["predict"], ddp["predict"])
+
+
+def test_fit_accumulate_norm_clip_resume_match_ddp(tmp_path):
+    results = run_app(tmp_path, "--accumulate", "2", "--clip", "0.05", "--resume")
+    for sharding in ("full", "grad_op", "none"):
+        assert_matches_ddp(results, sharding)
+        # a run stopped after one epoch and resumed from its checkpoint continues with the same losses
+        resumed = results[f"{sharding}_resumed"]["losses"]
+        torch.testing.assert_close(torch.tensor(resumed), torch.tensor(results[sharding]["losses"]), rtol=1e-6, atol=1e-7)
+    # the full checkpoint loads into the plain (unsharded) module with weights_only=True
+    ckpt = torch.load(tmp_path / "full" / "last.ckpt", weights_only=True)
+    sys.path.insert(0, os.path.dirname(APP))
+    from tests.lightning_app import LitGPT
+
+    LitGPT().load_state_dict(ckpt["state_dict"])
+    assert ckpt["optimizer_states"][0]["state"][0]["exp_avg"].shape == ckpt["state_dict"]["model.wpe"].shape
+
+
+def test_three_ranks_value_clipping_matches_ddp(tmp_path):
+    results = run_app(tmp_path, "--devices", "3", "--sharding", "full", "--clip", "0.01", "--clip-algorithm", "value")
+    assert_matches_ddp(results, "full")
+
+
+def test_manual_optimization_matches_ddp(tmp_path):
+    results = run_app(tmp_path, "--manual", "--sharding", "full", "grad_op")
+    assert_matches_ddp(results, "full")
+    assert_matches_ddp(results, "grad_op")
