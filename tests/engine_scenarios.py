@@ -95,3 +95,35 @@ def parity(rank: int, world: int, scenario: str, modes=("full", "grad_op", "none
                                        msg=lambda m, n=name: f"[{scenario}/{mode}] parameter {n}: {m}")
         report[mode] = {"units": len(runtime.units), "first_loss": losses[0], "last_loss": losses[-1]}
     return report
+
+
+def memory(rank: int, world: int, mode: str = "full"):
+    """Bytes of parameters, gradients and optimizer state held by this rank, and gathered units alive."""
+    torch.manual_seed(0)
+    model = models.TinyGPT(d=16, n_blocks=4)
+    unsharded = sum(p.numel() for p in model.parameters()) * 4
+    runtime = shard_module(model, sharding=mode)
+    units = runtime.units
+    alive = []
+
+    def sample(*_):
+        alive.append(sum(u.storage.is_allocated for u in units if not u.storage.aliases_shard))
+
+    for unit in units:
+        for member in unit.members:
+            member.register_forward_hook(sample)
+        for p in unit.storage.gathered_params:
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(sample)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(rank)
+    for step in range(3):
+        models.TinyGPT.loss(model, models.TinyGPT.batch(g, 4), step).backward()
+        opt.step()
+    param_bytes = sum(u.storage.shard.numel() * 4 for u in units)
+    grad_bytes = sum(u.storage.shard_grad.numel() * 4 for u in units if u.storage.shard_grad is not None)
+    state_bytes = sum(v.numel() * v.element_size() for s in opt.state.values() for k, v in s.items() if k != "step")
+    gathered_after_step = sum(u.storage.is_allocated for u in units if not u.storage.aliases_shard)
+    padding_bytes = sum((u.storage.padded_numel - sum(s.numel for s in u.storage.slots)) * 4 for u in units)
+    return dict(unsharded=unsharded, param=param_bytes, grad=grad_bytes, state=state_bytes,
+                padding=padding_bytes, max_alive=max(alive), after_step=gathered_after_step, units=len(units))
