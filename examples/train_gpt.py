@@ -1,0 +1,61 @@
+"""Train a small character-level GPT with ShardStrategy on 2 CPU processes, printing losses.
+
+    python examples/train_gpt.py                      # full sharding, 2 processes, 150 steps
+    python examples/train_gpt.py --sharding grad_op --devices 3 --unit-size 200000
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import lightning as L
+import torch
+
+from lightning_shard import ShardStrategy
+from lightning_shard.data.text import CharTextDataModule
+from lightning_shard.models.gpt import GPT
+from lightning_shard.models.lit_lm import LitLanguageModel
+
+
+class PrintLoss(L.Callback):
+    def __init__(self, every: int) -> None:
+        self.every = every
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        if trainer.is_global_zero and (step % self.every == 0 or step in (1, trainer.max_steps)):
+            loss = trainer.callback_metrics["train_loss"].item()
+            print(f"step {step:4d}  loss {loss:.4f}  shard/all_gather_MB {trainer.strategy.comm_stats.get('all_gather_bytes', 0) / 2**20:.2f}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--sharding", default="full", choices=["full", "grad_op", "none"])
+    parser.add_argument("--unit-size", type=int, default=None)
+    parser.add_argument("--max-steps", type=int, default=150)
+    parser.add_argument("--width", type=int, default=128)
+    parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=16)
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)  # one core per process
+    L.seed_everything(0)
+    data = CharTextDataModule(seq_len=args.seq, batch_size=args.batch)
+    model = LitLanguageModel(GPT(data.vocab_size, width=args.width, depth=args.depth, heads=4, max_seq=args.seq))
+    trainer = L.Trainer(
+        accelerator="cpu", devices=args.devices, max_steps=args.max_steps,
+        strategy=ShardStrategy(sharding=args.sharding, unit_size=args.unit_size),
+        limit_val_batches=20, val_check_interval=args.max_steps, check_val_every_n_epoch=None,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[PrintLoss(every=10)],
+    )
+    trainer.fit(model, data)
+    if trainer.is_global_zero:
+        val = trainer.callback_metrics["val_loss"].item()
+        print(f"validation loss {val:.4f}, perplexity {LitLanguageModel.perplexity(val):.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Offline datasets for the examples and the benchmark."""

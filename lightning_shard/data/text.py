@@ -1,0 +1,66 @@
+"""Character-level language-modelling data from real English text that ships with Python itself:
+the documentation strings of standard-library modules. Nothing is downloaded."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+STDLIB_MODULES = (
+    "argparse", "asyncio", "collections", "concurrent.futures", "contextlib", "csv", "dataclasses", "datetime",
+    "decimal", "email", "functools", "heapq", "http.client", "inspect", "itertools", "json", "logging",
+    "multiprocessing", "pathlib", "pickle", "re", "shutil", "socket", "sqlite3", "statistics", "string",
+    "subprocess", "tarfile", "textwrap", "threading", "typing", "unittest", "urllib.request", "uuid", "zipfile",
+)
+
+
+def stdlib_docs_text() -> str:
+    """Docstrings of the modules above and of their public members (about 220 KB of English prose)."""
+    parts = []
+    for name in STDLIB_MODULES:
+        module = importlib.import_module(name)
+        parts.append(inspect.getdoc(module) or "")
+        for attr, member in sorted(vars(module).items()):
+            if not attr.startswith("_") and getattr(member, "__module__", None) == module.__name__:
+                parts.append(inspect.getdoc(member) or "")
+    return "\n\n".join(p for p in parts if p)
+
+
+class CharChunks(Dataset):
+    """Non-overlapping windows of ``seq_len + 1`` characters (inputs and shifted targets)."""
+
+    def __init__(self, ids: torch.Tensor, seq_len: int) -> None:
+        self.ids, self.seq_len = ids, seq_len
+
+    def __len__(self) -> int:
+        return (len(self.ids) - 1) // self.seq_len
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.ids[i * self.seq_len : (i + 1) * self.seq_len + 1]
+
+
+class CharTextDataModule(L.LightningDataModule):
+    def __init__(self, seq_len: int = 128, batch_size: int = 8, val_fraction: float = 0.05) -> None:
+        super().__init__()
+        self.seq_len, self.batch_size = seq_len, batch_size
+        text = stdlib_docs_text()
+        self.vocab = sorted(set(text))
+        lookup = {ch: i for i, ch in enumerate(self.vocab)}
+        ids = torch.tensor([lookup[ch] for ch in text], dtype=torch.long)
+        split = int(len(ids) * (1 - val_fraction))
+        self.train_ids, self.val_ids = ids[:split], ids[split:]
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.vocab)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(CharChunks(self.train_ids, self.seq_len), batch_size=self.batch_size, shuffle=True,
+                          drop_last=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(CharChunks(self.val_ids, self.seq_len), batch_size=self.batch_size, drop_last=True)
