@@ -61,3 +61,9 @@ def test_manual_optimization_matches_ddp(tmp_path):
     results = run_app(tmp_path, "--manual", "--sharding", "full", "grad_op")
     assert_matches_ddp(results, "full")
     assert_matches_ddp(results, "grad_op")
+
+
+def test_world_size_one_matches_ddp(tmp_path):
+    results = run_app(tmp_path, "--devices", "1", "--sharding", "full", "none")
+    assert_matches_ddp(results, "full")
+    assert_matches_ddp(results, "none")
