@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -45,6 +45,7 @@ class Pending:
     result: Tensor
     stats: CommStats
     keep_alive: tuple = field(default_factory=tuple)
+    version_guard: Optional[Any] = None  # restores the output's autograd version once the data has landed
 
     def wait(self) -> Tensor:
         if self.work is not None:
@@ -53,6 +54,9 @@ class Pending:
             self.stats.exposed_seconds += time.perf_counter() - start
             self.work = None
             self.keep_alive = ()
+        if self.version_guard is not None:
+            self.version_guard.__exit__(None, None, None)
+            self.version_guard = None
         return self.result
 
 
@@ -69,11 +73,17 @@ def _run(launch: Callable[..., Optional[dist.Work]], result: Tensor, stats: Comm
 
 def all_gather(output: Tensor, shard: Tensor, group, stats: CommStats, async_op: bool = False) -> Pending:
     """Gather every rank's ``shard`` into ``output`` (rank-major)."""
-    # Writing into a parameter's storage is not an autograd-visible change of its value.
-    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(output):
-        stats.all_gather_bytes += output.numel() * output.element_size()
-        launch = functools.partial(_all_gather, output, shard, group=group)
-        return _run(launch, output, stats, async_op, (shard,))
+    # Note: refilling a gathered parameter's storage is not an autograd-visible change of its value, but
+    # the collective bumps the output's version counter (gloo does so when the work completes), which
+    # would fail autograd's check on tensors saved for backward. The version is restored after wait().
+    guard = torch.autograd._unsafe_preserve_version_counter(output)
+    stats.all_gather_bytes += output.numel() * output.element_size()
+    with torch.no_grad():
+        pending = _run(functools.partial(_all_gather, output, shard, group=group), output, stats, async_op, (shard,))
+    pending.version_guard = guard
+    if not async_op:
+        pending.wait()
+    return pending
 
 
 def reduce_scatter(flat: Tensor, group, stats: CommStats, async_op: bool = False) -> Pending:

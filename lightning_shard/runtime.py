@@ -19,6 +19,7 @@ from hooks, and their order is the order in which the hooks fire.
 
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional
 
@@ -38,7 +39,8 @@ class Unit:
         self.members = members
         self.storage = storage
         self.reshard_after_forward = reshard_after_forward
-        self.is_gathered = False
+        self.is_gathered = False  # gathered data valid and registered on the members
+        self.inflight: Optional[Pending] = None  # a prefetch all-gather not yet waited for
         self.backward_pending = 0  # forward calls whose post-backward has not fired yet
 
     def __repr__(self) -> str:
@@ -67,6 +69,7 @@ class ShardRuntime:
         root_unit: Optional[Unit],
         group: Optional[dist.ProcessGroup],
         reduce_dtype: Optional[torch.dtype] = None,
+        prefetch: int = 1,
     ) -> None:
         self.root = root
         self.units = units  # root unit last
@@ -74,7 +77,15 @@ class ShardRuntime:
         self.group = group
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
         self.reduce_dtype = reduce_dtype
+        self.prefetch = prefetch
         self.stats = CommStats()
+        self.last_step_stats: dict[str, float] = {}
+        self.trace: Optional[list[tuple[str, str]]] = None  # (collective, unit) in issue order, for tests
+        self._order: list[Unit] = []  # forward order of units recorded on the previous step
+        self._current_order: list[Unit] = []
+        self._forward_cursor = 0
+        self._backward_cursor = 0
+        self._warned_order_change = False
         self.sync_grads = True  # False while accumulating without reduction (see no_sync)
         self._depth = 0  # nesting of steps / root forwards
         self._final_callback_queued = False
@@ -83,21 +94,54 @@ class ShardRuntime:
         self._install_hooks()
 
     # -- gather / free ------------------------------------------------------------------------------
+    def _launch_gather(self, unit: Unit) -> None:
+        """Start the unit's all-gather without waiting for it."""
+        if unit.is_gathered or unit.inflight is not None or unit.storage.aliases_shard:
+            return
+        storage = unit.storage
+        self._trace("all_gather", unit)
+        unit.inflight = collectives.all_gather(
+            storage.allocate(), storage.shard_for_gather(), self.group, self.stats, async_op=True
+        )
+
     def gather(self, unit: Unit) -> None:
         if unit.is_gathered:
             return
-        storage = unit.storage
-        if not storage.aliases_shard:
-            collectives.all_gather(storage.allocate(), storage.shard_for_gather(), self.group, self.stats).wait()
-        storage.use_gathered()
+        self._launch_gather(unit)
+        if unit.inflight is not None:
+            unit.inflight.wait()
+            unit.inflight = None
+        unit.storage.use_gathered()
         unit.is_gathered = True
 
     def reshard(self, unit: Unit) -> None:
-        if not unit.is_gathered:
-            return
-        unit.storage.use_shards()
+        if unit.inflight is not None:  # never free a buffer a collective is still writing
+            unit.inflight.wait()
+            unit.inflight = None
+        if unit.is_gathered:
+            unit.storage.use_shards()
+            unit.is_gathered = False
         unit.storage.free()
-        unit.is_gathered = False
+
+    def _prefetch_after(self, unit: Optional[Unit], order: list[Unit], cursor: int) -> int:
+        """Launch the gathers of the ``prefetch`` units that follow ``unit`` in ``order``; returns the new cursor.
+
+        ``unit=None`` means the start of ``order``. A unit not found (the order changed) prefetches nothing.
+        """
+        if unit is None:
+            position = -1
+        else:
+            try:
+                position = order.index(unit, cursor)
+            except ValueError:
+                return cursor
+        for upcoming in order[position + 1 : position + 1 + self.prefetch]:
+            self._launch_gather(upcoming)
+        return position + 1
+
+    def _trace(self, op: str, unit: Unit) -> None:
+        if self.trace is not None:
+            self.trace.append((op, unit.name))
 
     # -- steps (the root's scope) -------------------------------------------------------------------
     def run_step(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -116,19 +160,38 @@ class ShardRuntime:
             for unit in self.units:
                 self.reshard(unit)
                 unit.backward_pending = 0
-            self.stats.reset()
             if self.root_unit is not None:
                 self.gather(self.root_unit)
+            self._current_order = []
+            self._forward_cursor = self._prefetch_after(None, self._order, 0)
         self._depth += 1
 
     def _exit_step(self, output: Any) -> None:
         self._depth -= 1
-        if self._depth == 0 and not self._final_callback_queued and not _expects_backward(output):
+        if self._depth > 0:
+            return
+        self._record_order()
+        if not self._final_callback_queued and not _expects_backward(output):
             for unit in self.units:
                 self.reshard(unit)
 
+    def _record_order(self) -> None:
+        current, self._current_order = self._current_order, []
+        if not current or current == self._order:
+            return
+        if self._order and not self._warned_order_change:
+            self._warned_order_change = True
+            warnings.warn(
+                "lightning_shard: the order in which units run changed between steps; prefetching follows the"
+                " newest order (results are unaffected, only the overlap of communication with compute)."
+            )
+        self._order = current
+
     def after_optimizer_step(self) -> None:
-        """Re-gather units still gathered across an optimizer step (manual optimization): shards changed."""
+        """Close the step's communication figures; re-gather units still gathered (manual optimization),
+        since the optimizer changed their shards."""
+        self.last_step_stats = self.stats.as_dict()
+        self.stats.reset()
         for unit in self.units:
             if unit.is_gathered and not unit.storage.aliases_shard:
                 unit.is_gathered = False
@@ -177,7 +240,9 @@ class ShardRuntime:
         self._handles.clear()
 
     def _pre_forward(self, unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        self._current_order.append(unit)
         self.gather(unit)
+        self._forward_cursor = self._prefetch_after(unit, self._order, self._forward_cursor)
         if not torch.is_grad_enabled():
             return args, kwargs
         flat, spec = tree_flatten((args, kwargs))
@@ -192,7 +257,9 @@ class ShardRuntime:
 
     def _post_forward(self, unit: Unit, module: nn.Module, output: Any) -> Any:
         grad_enabled = torch.is_grad_enabled()
-        if module is unit.members[-1] and (unit.reshard_after_forward or not grad_enabled):
+        # backward starts with the last unit: freeing it now would only mean gathering it again at once
+        keep_for_backward = grad_enabled and bool(self._order) and unit is self._order[-1]
+        if module is unit.members[-1] and not keep_for_backward and (unit.reshard_after_forward or not grad_enabled):
             self.reshard(unit)
         if grad_enabled:
             tensors = [x for x in tree_flatten(output)[0] if isinstance(x, Tensor) and x.requires_grad]
@@ -203,6 +270,9 @@ class ShardRuntime:
     def _pre_backward(self, unit: Unit) -> None:
         self._queue_final_callback()
         self.gather(unit)
+        if unit.reshard_after_forward:  # only then is there anything to gather ahead in backward
+            reverse = self._order[::-1]
+            self._backward_cursor = self._prefetch_after(unit, reverse, self._backward_cursor)
 
     def _on_grad_accumulated(self, _param: Tensor) -> None:
         self._queue_final_callback()
@@ -217,6 +287,7 @@ class ShardRuntime:
     def _queue_final_callback(self) -> None:
         if not self._final_callback_queued:
             self._final_callback_queued = True
+            self._backward_cursor = 0
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
     # -- gradient reduction -------------------------------------------------------------------------
@@ -227,6 +298,7 @@ class ShardRuntime:
         flat, used = storage.take_unsharded_grads(self.reduce_dtype or storage.param_dtype)
         if self.world_size > 1:
             flat.div_(self.world_size)  # average like DDP: divide first, then sum
+        self._trace("reduce", unit)
         if storage.world_size > 1:
             pending = collectives.reduce_scatter(flat, self.group, self.stats, async_op=True)
         elif self.world_size > 1:

@@ -30,6 +30,7 @@ def shard_module(
     group: Optional[dist.ProcessGroup] = None,
     param_dtype: Optional[torch.dtype] = None,
     reduce_dtype: Optional[torch.dtype] = None,
+    prefetch: int = 1,
 ) -> ShardRuntime:
     """Shard ``module``'s parameters across ``group`` and install the hooks that gather them on use.
 
@@ -67,7 +68,7 @@ def shard_module(
         for buffer in module.buffers():
             dist.broadcast(buffer, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
 
-    runtime = ShardRuntime(module, built, root_unit, group, reduce_dtype=reduce_dtype)
+    runtime = ShardRuntime(module, built, root_unit, group, reduce_dtype=reduce_dtype, prefetch=prefetch)
     module._shard_runtime = runtime
     return runtime
 

@@ -168,7 +168,9 @@ class ShardStrategy(ParallelStrategy):
                 self.model = self._layer_sync.apply(self.model)
             self.model = self.precision_plugin.convert_module(self.model)
             self.model_to_device()
-            self.runtime = shard_module(self.model, sharding=self.sharding, units=self.units, unit_size=self.unit_size)
+            self.runtime = shard_module(
+                self.model, sharding=self.sharding, units=self.units, unit_size=self.unit_size, prefetch=self.prefetch
+            )
             rank_zero_info(
                 f"lightning_shard: sharding={self.sharding!r}, {len(self.runtime.units)} units over"
                 f" {self.world_size} ranks: {[u.name for u in self.runtime.units]}"

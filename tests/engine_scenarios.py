@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -21,7 +22,10 @@ SCENARIOS = {
     "odd": (models.Odd, {"unit_size": 9}),
     "frozen": (models.FrozenMix, {}),
     "misc": (models.Misc, {"units": ["Twice", "Rare", "BatchNorm1d"]}),
+    "reorder": (models.Reorder, {}),
 }
+
+ORDER_WARNING = "order in which units run changed"
 
 
 def param_groups(model: nn.Module) -> list[dict]:
@@ -80,7 +84,9 @@ def parity(rank: int, world: int, scenario: str, modes=("full", "grad_op", "none
         ref_losses = train(ddp, model_cls.loss, batches, rank, world, accumulate, clip)
 
         runtime = shard_module(sharded, sharding=mode, **kwargs)
-        losses = train(sharded, model_cls.loss, batches, rank, world, accumulate, clip, runtime=runtime)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            losses = train(sharded, model_cls.loss, batches, rank, world, accumulate, clip, runtime=runtime)
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6,
                                    msg=lambda m: f"[{scenario}/{mode}] per-step losses differ from DDP: {m}")
         full = full_state_dict(runtime, rank0_only=False)
@@ -93,24 +99,26 @@ def parity(rank: int, world: int, scenario: str, modes=("full", "grad_op", "none
                 continue
             torch.testing.assert_close(full[name], value, rtol=1e-5, atol=1e-6,
                                        msg=lambda m, n=name: f"[{scenario}/{mode}] parameter {n}: {m}")
-        report[mode] = {"units": len(runtime.units), "first_loss": losses[0], "last_loss": losses[-1]}
+        report[mode] = {"units": len(runtime.units), "first_loss": losses[0], "last_loss": losses[-1],
+                        "order_warnings": sum(ORDER_WARNING in str(w.message) for w in caught)}
     return report
 
 
-def memory(rank: int, world: int, mode: str = "full"):
+def memory(rank: int, world: int, mode: str = "full", prefetch: int = 1):
     """Bytes of parameters, gradients and optimizer state held by this rank, and gathered units alive."""
     torch.manual_seed(0)
     model = models.TinyGPT(d=16, n_blocks=4)
     unsharded = sum(p.numel() for p in model.parameters()) * 4
-    runtime = shard_module(model, sharding=mode)
+    runtime = shard_module(model, sharding=mode, prefetch=prefetch)
     units = runtime.units
     alive = []
 
-    def sample(*_):
-        alive.append(sum(u.storage.is_allocated for u in units if not u.storage.aliases_shard))
+    def sample(*_):  # gathered (or being gathered) units other than the root
+        alive.append(sum(u.storage.is_allocated for u in units if not u.storage.aliases_shard and u is not runtime.root_unit))
 
     for unit in units:
         for member in unit.members:
+            member.register_forward_pre_hook(sample)  # runs after the runtime's own pre-forward hook
             member.register_forward_hook(sample)
         for p in unit.storage.gathered_params:
             if p.requires_grad:
@@ -127,3 +135,29 @@ def memory(rank: int, world: int, mode: str = "full"):
     padding_bytes = sum((u.storage.padded_numel - sum(s.numel for s in u.storage.slots)) * 4 for u in units)
     return dict(unsharded=unsharded, param=param_bytes, grad=grad_bytes, state=state_bytes,
                 padding=padding_bytes, max_alive=max(alive), after_step=gathered_after_step, units=len(units))
+
+
+def collective_trace(rank: int, world: int, prefetch: int):
+    """The collectives of the second step (the first records the execution order), in issue order."""
+    torch.manual_seed(0)
+    model = models.TinyGPT()
+    runtime = shard_module(model, sharding="full", prefetch=prefetch)
+    g = torch.Generator().manual_seed(0)
+    for step in range(2):
+        runtime.trace = [] if step == 1 else None
+        models.TinyGPT.loss(model, models.TinyGPT.batch(g, 4), step).backward()
+    return runtime.trace
+
+
+def bytes_per_step(rank: int, world: int, mode: str):
+    torch.manual_seed(0)
+    model = models.TinyGPT()
+    runtime = shard_module(model, sharding=mode)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(0)
+    for step in range(2):
+        models.TinyGPT.loss(model, models.TinyGPT.batch(g, 4), step).backward()
+        opt.step()
+        runtime.after_optimizer_step()
+    padded = {u.name: u.storage.padded_numel * 4 for u in runtime.units}
+    return {"stats": runtime.last_step_stats, "padded": padded, "last": runtime._order[-1].name}

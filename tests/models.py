@@ -177,3 +177,26 @@ class Misc(nn.Module):
     @staticmethod
     def batch(generator: torch.Generator, n: int) -> torch.Tensor:
         return torch.randn(n, 5, generator=generator)
+
+
+class Reorder(nn.Module):
+    """Blocks run in a different order on odd steps: prefetching must follow, results must not change."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(10) for _ in range(3))
+        self.out = nn.Linear(10, 2)
+
+    def forward(self, x: torch.Tensor, step: int) -> torch.Tensor:
+        order = self.blocks if step % 2 == 0 else list(self.blocks)[::-1]
+        for block in order:
+            x = block(x)
+        return self.out(x)
+
+    @staticmethod
+    def loss(model: nn.Module, batch: torch.Tensor, step: int) -> torch.Tensor:
+        return model(batch, step).pow(2).mean()
+
+    @staticmethod
+    def batch(generator: torch.Generator, n: int) -> torch.Tensor:
+        return torch.randn(n, 4, 10, generator=generator)

@@ -1,0 +1,54 @@
+"""Prefetch: the order of collectives, parity when the execution order changes, bytes against theory."""
+
+import pytest
+
+from tests.engine_scenarios import bytes_per_step, collective_trace, parity
+from tests.world import run_world
+
+pytestmark = pytest.mark.timeout(300)
+
+AG, RS = "all_gather", "reduce"
+
+
+def test_collective_order_without_prefetch():
+    trace = run_world(collective_trace, 2, 0)[0]
+    assert trace == [
+        (AG, "<root>"), (AG, "blocks.0"), (AG, "blocks.1"), (AG, "blocks.2"),  # forward, one at a time
+        (RS, "blocks.2"),  # blocks.2 was kept gathered for backward, which starts with it
+        (AG, "blocks.1"), (RS, "blocks.1"), (AG, "blocks.0"), (RS, "blocks.0"),
+        (RS, "<root>"),  # the root's gradients are reduced when backward ends
+    ]
+
+
+def test_collective_order_with_prefetch_one_unit_ahead():
+    trace = run_world(collective_trace, 2, 1)[0]
+    assert trace == [
+        (AG, "<root>"), (AG, "blocks.0"),  # step start: the root, and the first unit already in flight
+        (AG, "blocks.1"),  # launched as blocks.0 starts computing
+        (AG, "blocks.2"),
+        (AG, "blocks.1"),  # backward of blocks.2 begins: blocks.1 is gathered ahead, before blocks.2 reduces
+        (RS, "blocks.2"), (AG, "blocks.0"), (RS, "blocks.1"), (RS, "blocks.0"), (RS, "<root>"),
+    ]
+
+
+def test_changed_execution_order_warns_once_and_stays_exact():
+    for report in run_world(parity, 2, "reorder", ("full", "grad_op")):
+        assert all(r["order_warnings"] == 1 for r in report.values()), report
+
+
+@pytest.mark.parametrize("mode", ["full", "grad_op", "none"])
+def test_bytes_moved_agree_with_theory(mode):
+    r = run_world(bytes_per_step, 2, mode)[0]
+    stats, padded = r["stats"], r["padded"]
+    psi = sum(padded.values())  # parameter bytes, as padded flat buffers
+    if mode == "full":
+        # 3 psi, less what is never gathered twice: the root (gathered for the whole step) and the last
+        # unit (kept from its forward into its backward)
+        assert stats["all_gather_bytes"] == 2 * psi - padded["<root>"] - padded[r["last"]]
+        assert stats["reduce_scatter_bytes"] == psi
+    elif mode == "grad_op":
+        assert stats["all_gather_bytes"] == psi
+        assert stats["reduce_scatter_bytes"] == psi
+    else:
+        assert stats["all_gather_bytes"] == 0
+        assert stats["all_reduce_bytes"] == 2 * psi
