@@ -132,7 +132,9 @@ class ShardStrategy(ParallelStrategy):
 
     @property
     def comm_stats(self) -> dict[str, float]:
-        return self.runtime.stats.as_dict() if self.runtime is not None else {}
+        """Communication of the last optimizer step: bytes all-gathered, reduce-scattered and all-reduced,
+        the number of collectives, and the seconds compute spent blocked on them (exposed communication)."""
+        return dict(self.runtime.last_step_stats) if self.runtime is not None else {}
 
     # -- processes ----------------------------------------------------------------------------------
     def _configure_launcher(self) -> None:
@@ -222,7 +224,16 @@ class ShardStrategy(ParallelStrategy):
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         assert self.runtime is not None
         self.runtime.after_optimizer_step()
+        self._log_comm_stats()
         return output
+
+    def _log_comm_stats(self) -> None:
+        trainer = self.lightning_module._trainer if self.lightning_module is not None else None
+        if trainer is None or not trainer.loggers or not self.is_global_zero:
+            return
+        metrics = {f"shard/{k}": float(v) for k, v in self.comm_stats.items()}
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
 
     # -- collectives for Lightning (logging, metrics, decisions) ------------------------------------
     def barrier(self, name: Optional[str] = None) -> None:

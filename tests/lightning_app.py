@@ -87,7 +87,8 @@ def run(strategy, args, max_epochs: int, ckpt_dir: str, resume: str | None = Non
         accelerator="cpu", devices=args.devices, strategy=strategy, max_epochs=max_epochs,
         accumulate_grad_batches=1 if args.manual else args.accumulate,
         gradient_clip_val=None if args.manual else args.clip, gradient_clip_algorithm=args.clip_algorithm,
-        logger=False, enable_progress_bar=False, enable_model_summary=False,
+        logger=L.pytorch.loggers.CSVLogger(ckpt_dir, name="logs"), enable_progress_bar=False,
+        enable_model_summary=False,
         callbacks=[L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True)],
         num_sanity_val_steps=0, deterministic=True,
     )

@@ -43,6 +43,14 @@ def test_fit_accumulate_norm_clip_resume_match_ddp(tmp_path):
         # a run stopped after one epoch and resumed from its checkpoint continues with the same losses
         resumed = results[f"{sharding}_resumed"]["losses"]
         torch.testing.assert_close(torch.tensor(resumed), torch.tensor(results[sharding]["losses"]), rtol=1e-6, atol=1e-7)
+    # per-step communication figures reach the trainer's loggers
+    import csv
+    import glob
+
+    rows = list(csv.DictReader(open(glob.glob(str(tmp_path / "full" / "logs" / "*" / "metrics.csv"))[0])))
+    gathered = [float(r["shard/all_gather_bytes"]) for r in rows if r.get("shard/all_gather_bytes")]
+    assert len(gathered) >= 12 and min(gathered) > 0
+    assert results["full"]["comm"]["reduce_scatter_bytes"] > 0
     # the full checkpoint loads into the plain (unsharded) module with weights_only=True
     ckpt = torch.load(tmp_path / "full" / "last.ckpt", weights_only=True)
     sys.path.insert(0, os.path.dirname(APP))
