@@ -6,9 +6,10 @@ and ``"lightning_shard_no_shard"`` with Lightning's ``StrategyRegistry``.
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_shard.precision import MixedPrecision
 from lightning_shard.shard_module import shard_module
 from lightning_shard.strategy import ShardStrategy
 
 ShardStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["ShardStrategy", "shard_module"]
+__all__ = ["MixedPrecision", "ShardStrategy", "shard_module"]

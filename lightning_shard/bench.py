@@ -74,7 +74,7 @@ def _model_state_mb(model: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
     return (_local_bytes(params) + _local_bytes(p.grad for p in params) + _local_bytes(state)) / 2**20
 
 
-def _strategy(name: str):
+def _strategy(name: str, world: int):
     from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
     from lightning_shard import ShardStrategy
@@ -82,7 +82,8 @@ def _strategy(name: str):
     if name == "ddp":
         return DDPStrategy()
     if name == "fsdp2":
-        return ModelParallelStrategy()
+        # the default puts every rank on the tensor-parallel axis: all data-parallel here
+        return ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
     return ShardStrategy(sharding=name.removeprefix("shard_"))
 
 
@@ -115,7 +116,7 @@ def _run(name: str, args, world: int) -> dict:
     module = BenchLM(GPT(args.vocab, args.width, args.depth, args.heads, args.seq), fsdp2=name == "fsdp2")
     timer = StepTimer()
     trainer = L.Trainer(
-        accelerator="cpu", devices=world, strategy=_strategy(name), max_steps=args.warmup + args.steps,
+        accelerator="cpu", devices=world, strategy=_strategy(name, world), max_steps=args.warmup + args.steps,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[timer],
     )

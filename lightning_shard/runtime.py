@@ -295,7 +295,7 @@ class ShardRuntime:
         storage = unit.storage
         if not self.sync_grads or not storage.has_unsharded_grads():
             return
-        flat, used = storage.take_unsharded_grads(self.reduce_dtype or storage.param_dtype)
+        flat, used = storage.take_unsharded_grads(self.reduce_dtype or storage.master_dtype)
         if self.world_size > 1:
             flat.div_(self.world_size)  # average like DDP: divide first, then sum
         self._trace("reduce", unit)

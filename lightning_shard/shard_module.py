@@ -30,6 +30,7 @@ def shard_module(
     group: Optional[dist.ProcessGroup] = None,
     param_dtype: Optional[torch.dtype] = None,
     reduce_dtype: Optional[torch.dtype] = None,
+    buffer_dtype: Optional[torch.dtype] = None,
     prefetch: int = 1,
 ) -> ShardRuntime:
     """Shard ``module``'s parameters across ``group`` and install the hooks that gather them on use.
@@ -64,6 +65,11 @@ def shard_module(
         built.append(unit)
         if is_root:
             root_unit = unit
+    if buffer_dtype is not None:
+        for submodule in module.modules():
+            for name, buffer in submodule._buffers.items():
+                if buffer is not None and buffer.is_floating_point():
+                    submodule._buffers[name] = buffer.to(buffer_dtype)
     if world > 1:
         for buffer in module.buffers():
             dist.broadcast(buffer, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)

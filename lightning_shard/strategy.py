@@ -34,7 +34,7 @@ from torch.optim import Optimizer
 
 import lightning.pytorch as pl
 from lightning_shard.optim_state import full_optimizer_state_dict, load_full_optimizer_state_dict
-from lightning_shard.precision import ShardPrecision
+from lightning_shard.precision import MixedPrecision, ShardPrecision, validate_mixed_precision
 from lightning_shard.runtime import ShardRuntime
 from lightning_shard.shard_module import shard_module, validate_sharding
 from lightning_shard.state_dict import full_state_dict, load_full_state_dict
@@ -55,6 +55,8 @@ class ShardStrategy(ParallelStrategy):
         reduce_during_accumulation: reduce-scatter gradients after every micro-batch, keeping gradient
             memory at 1/N. ``False`` skips the reduction on non-final micro-batches of
             ``accumulate_grad_batches``: less communication, but a full gradient per unit is held.
+        mixed_precision: dtypes of gathers/compute, gradient reduction and buffers; wins over the
+            Trainer's ``precision`` string (which otherwise decides, see ``lightning_shard.precision``).
         timeout: bound on every collective (a ``timedelta`` or seconds).
     """
 
@@ -67,6 +69,7 @@ class ShardStrategy(ParallelStrategy):
         unit_size: Optional[int] = None,
         prefetch: int = 1,
         reduce_during_accumulation: bool = True,
+        mixed_precision: Optional[MixedPrecision] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -91,6 +94,7 @@ class ShardStrategy(ParallelStrategy):
             raise ValueError(f"`prefetch` must be an int >= 0 (units gathered ahead), got {prefetch!r}.")
         self.prefetch = prefetch
         self.reduce_during_accumulation = bool(reduce_during_accumulation)
+        self.mixed_precision = validate_mixed_precision(mixed_precision)
         if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
             timeout = timedelta(seconds=timeout)
         if timeout is not None and not isinstance(timeout, timedelta):
@@ -170,8 +174,10 @@ class ShardStrategy(ParallelStrategy):
                 self.model = self._layer_sync.apply(self.model)
             self.model = self.precision_plugin.convert_module(self.model)
             self.model_to_device()
+            policy = self.mixed_precision or self.precision_plugin.policy
             self.runtime = shard_module(
-                self.model, sharding=self.sharding, units=self.units, unit_size=self.unit_size, prefetch=self.prefetch
+                self.model, sharding=self.sharding, units=self.units, unit_size=self.unit_size, prefetch=self.prefetch,
+                param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype, buffer_dtype=policy.buffer_dtype,
             )
             rank_zero_info(
                 f"lightning_shard: sharding={self.sharding!r}, {len(self.runtime.units)} units over"
