@@ -95,6 +95,10 @@ class FlatShard:
     def is_allocated(self) -> bool:
         return self.gathered.untyped_storage().size() > 0
 
+    @property
+    def gathered_nbytes(self) -> int:
+        return self.padded_numel * self.gathered.element_size()
+
     def allocate(self) -> Tensor:
         """Give the gathered buffer its storage back; returns the buffer to gather into."""
         if not self.is_allocated:

@@ -80,6 +80,8 @@ class ShardRuntime:
         self.prefetch = prefetch
         self.stats = CommStats()
         self.last_step_stats: dict[str, float] = {}
+        self.gathered_bytes = 0  # bytes of gathered buffers alive now (root included)
+        self.peak_gathered_bytes = 0
         self.trace: Optional[list[tuple[str, str]]] = None  # (collective, unit) in issue order, for tests
         self._order: list[Unit] = []  # forward order of units recorded on the previous step
         self._current_order: list[Unit] = []
@@ -100,6 +102,8 @@ class ShardRuntime:
             return
         storage = unit.storage
         self._trace("all_gather", unit)
+        self.gathered_bytes += storage.gathered_nbytes
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
         unit.inflight = collectives.all_gather(
             storage.allocate(), storage.shard_for_gather(), self.group, self.stats, async_op=True
         )
@@ -121,7 +125,9 @@ class ShardRuntime:
         if unit.is_gathered:
             unit.storage.use_shards()
             unit.is_gathered = False
-        unit.storage.free()
+        if unit.storage.is_allocated and not unit.storage.aliases_shard:
+            self.gathered_bytes -= unit.storage.gathered_nbytes
+            unit.storage.free()
 
     def _prefetch_after(self, unit: Optional[Unit], order: list[Unit], cursor: int) -> int:
         """Launch the gathers of the ``prefetch`` units that follow ``unit`` in ``order``; returns the new cursor.

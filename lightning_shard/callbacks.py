@@ -1,0 +1,81 @@
+"""RunSummary: one JSON per run with what a unit-size sweep compares (time, memory, bytes, loss)."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import time
+from typing import Any, Optional
+
+import lightning as L
+import torch
+
+
+def model_state_bytes(module: torch.nn.Module, optimizers: list) -> int:
+    """Bytes of parameters, gradients and optimizer state this rank holds (local shards only)."""
+    tensors = [p for p in module.parameters()] + [p.grad for p in module.parameters() if p.grad is not None]
+    tensors += [v for opt in optimizers for s in opt.state.values() for k, v in s.items()
+                if torch.is_tensor(v) and k != "step"]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class RunSummary(L.Callback):
+    def __init__(self, path: str, warmup_steps: int = 5) -> None:
+        self.path, self.warmup_steps = path, warmup_steps
+        self.step_times: list[float] = []
+        self.bytes_moved: Optional[float] = None
+        self._start = 0.0
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self.step_times.append(time.perf_counter() - self._start)
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        strategy = trainer.strategy
+        runtime = getattr(strategy, "runtime", None)
+        comm = dict(getattr(strategy, "comm_stats", {}))
+        timed = self.step_times[self.warmup_steps :] or self.step_times
+        summary = {
+            "sharding": getattr(strategy, "sharding", type(strategy).__name__),
+            "unit_size": getattr(strategy, "unit_size", None),
+            "units": len(runtime.units) if runtime is not None else None,
+            "world_size": trainer.world_size,
+            "precision": trainer.precision,
+            "steps": trainer.global_step,
+            "median_step_s": statistics.median(timed) if timed else None,
+            "model_state_mb_per_rank": model_state_bytes(pl_module, trainer.optimizers) / 2**20,
+            "peak_gathered_mb_per_rank": runtime.peak_gathered_bytes / 2**20 if runtime is not None else None,
+            "peak_rss_mb_per_rank": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "bytes_moved_mb_per_step": (comm.get("all_gather_bytes", 0) + comm.get("reduce_scatter_bytes", 0)
+                                        + comm.get("all_reduce_bytes", 0)) / 2**20 if comm else None,
+            "final_train_loss": _metric(trainer, "train_loss"),
+            "final_val_loss": _metric(trainer, "val_loss"),
+        }
+        self._write(trainer, summary)
+
+    def on_test_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Add the test metrics (and, where the data offers one, the majority-class baseline)."""
+        if not os.path.exists(self.path):
+            return
+        with open(self.path) as f:
+            summary = json.load(f)
+        summary.update({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("test_")})
+        baseline = getattr(trainer.datamodule, "majority_baseline", None)
+        if callable(baseline):
+            summary["test_majority_baseline"] = baseline("test")
+        self._write(trainer, summary)
+
+    def _write(self, trainer: L.Trainer, summary: dict) -> None:
+        if trainer.is_global_zero:
+            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+            with open(self.path, "w") as f:
+                json.dump(summary, f, indent=2)
+
+
+def _metric(trainer: L.Trainer, name: str) -> Optional[float]:
+    value = trainer.callback_metrics.get(name)
+    return float(value) if value is not None else None

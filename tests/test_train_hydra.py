@@ -1,0 +1,70 @@
+"""The Hydra entry point: composed configs, overrides, bad overrides refused before launch, sweeps."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.timeout(900)
+
+TINY = ["model.model.width=32", "model.model.depth=2", "data.seq_len=32", "data.batch_size=8",
+        "trainer.max_steps=6", "trainer.val_check_interval=6", "trainer.limit_val_batches=2",
+        "trainer.limit_test_batches=2", "callbacks.run_summary.warmup_steps=1"]
+
+
+def train(cwd, *overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lightning_shard.train", *overrides], cwd=cwd,
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore", "HYDRA_FULL_ERROR": "0"})
+
+
+def test_run_writes_logs_checkpoints_and_summary_into_one_dir(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = train(tmp_path, *TINY, f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["sharding"] == "full" and summary["world_size"] == 2 and summary["steps"] == 6
+    assert summary["units"] == 3 and summary["final_val_loss"] > 0
+    assert (run_dir / "checkpoints" / "last.ckpt").exists()
+    assert list((run_dir / "csv").glob("*/metrics.csv"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # nothing stray
+
+
+def test_overrides_from_the_command_line(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = train(tmp_path, *TINY, "strategy=grad_op", "strategy.unit_size=20000", "trainer.devices=2",
+                 "precision=bf16-mixed", f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["sharding"] == "grad_op" and summary["unit_size"] == 20000 and summary["precision"] == "bf16-mixed"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("strategy=zero9", "Could not find 'strategy/zero9'"),
+    ("strategy.sharding=zero9", "`sharding` must be one of 'full', 'grad_op', 'none'; got 'zero9'"),
+    ("strategy.unit_size=-5", "`unit_size` must be a positive int"),
+    ("precision=fp8", "`precision` must be one of 32-true, bf16-mixed, 16-mixed, bf16-true; got 'fp8'"),
+])
+def test_bad_override_fails_before_any_rank_starts(tmp_path, override, message):
+    proc = train(tmp_path, *TINY, override, f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode != 0
+    assert message in proc.stderr + proc.stdout
+    assert "Initializing distributed" not in proc.stderr + proc.stdout
+
+
+def test_sweep_gives_one_dir_and_one_result_per_job(tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    proc = train(tmp_path, "-m", *TINY, "strategy.unit_size=15000,60000", f"hydra.sweep.dir={sweep_dir}")
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep"]
+    jobs = sorted(p.name for p in sweep_dir.iterdir() if p.is_dir())
+    assert jobs == ["0", "1"]
+    rows = list(csv.DictReader(open(sweep_dir / "summary.csv")))
+    assert [int(r["unit_size"]) for r in rows] == [15000, 60000]
+    assert int(rows[0]["units"]) > int(rows[1]["units"])  # smaller budget, more units
+    assert float(rows[0]["peak_gathered_mb_per_rank"]) < float(rows[1]["peak_gathered_mb_per_rank"])
