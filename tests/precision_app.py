@@ -38,6 +38,7 @@ class Record(L.Callback):
 
 
 def main(out: str, steps: int = 50) -> None:
+    torch.set_num_threads(1)  # deterministic CPU reductions: the comparison is then reproducible
     results = {}
     for name, (precision, policy) in RUNS.items():
         L.seed_everything(0)
