@@ -1,4 +1,4 @@
-"""Train a small character-level GPT with ShardStrategy on 2 CPU processes, printing losses.
+"""ShardStrategy from plain Python (no Hydra): a small character-level GPT on 2 CPU processes.
 
     python examples/train_gpt.py                      # full sharding, 2 processes, 150 steps
     python examples/train_gpt.py --sharding grad_op --devices 3 --unit-size 200000
@@ -12,20 +12,10 @@ import lightning as L
 import torch
 
 from lightning_shard import ShardStrategy
+from lightning_shard.callbacks import PrintProgress
 from lightning_shard.data.text import CharTextDataModule
 from lightning_shard.models.gpt import GPT
 from lightning_shard.models.lit_lm import LitLanguageModel
-
-
-class PrintLoss(L.Callback):
-    def __init__(self, every: int) -> None:
-        self.every = every
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        step = trainer.global_step
-        if trainer.is_global_zero and (step % self.every == 0 or step in (1, trainer.max_steps)):
-            loss = trainer.callback_metrics["train_loss"].item()
-            print(f"step {step:4d}  loss {loss:.4f}  shard/all_gather_MB {trainer.strategy.comm_stats.get('all_gather_bytes', 0) / 2**20:.2f}", flush=True)
 
 
 def main() -> None:
@@ -49,12 +39,9 @@ def main() -> None:
         strategy=ShardStrategy(sharding=args.sharding, unit_size=args.unit_size),
         limit_val_batches=20, val_check_interval=args.max_steps, check_val_every_n_epoch=None,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[PrintLoss(every=10)],
+        callbacks=[PrintProgress(every=10)],
     )
     trainer.fit(model, data)
-    if trainer.is_global_zero:
-        val = trainer.callback_metrics["val_loss"].item()
-        print(f"validation loss {val:.4f}, perplexity {LitLanguageModel.perplexity(val):.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -79,3 +79,24 @@ class RunSummary(L.Callback):
 def _metric(trainer: L.Trainer, name: str) -> Optional[float]:
     value = trainer.callback_metrics.get(name)
     return float(value) if value is not None else None
+
+
+class PrintProgress(L.Callback):
+    """Prints the training loss every ``every`` steps and each validation loss (rank 0 only)."""
+
+    def __init__(self, every: int = 10) -> None:
+        self.every = every
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        step = trainer.global_step
+        if trainer.is_global_zero and (step == 1 or step % self.every == 0) and "train_loss" in trainer.callback_metrics:
+            comm = getattr(trainer.strategy, "comm_stats", {})
+            moved = (comm.get("all_gather_bytes", 0) + comm.get("reduce_scatter_bytes", 0)
+                     + comm.get("all_reduce_bytes", 0)) / 2**20
+            print(f"step {step:5d}  train_loss {float(trainer.callback_metrics['train_loss']):.4f}"
+                  f"  moved {moved:.1f} MB/step", flush=True)
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.is_global_zero and not trainer.sanity_checking:
+            shown = {k: round(float(v), 4) for k, v in trainer.callback_metrics.items() if k.startswith("val_")}
+            print(f"step {trainer.global_step:5d}  {shown}", flush=True)

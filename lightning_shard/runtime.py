@@ -102,8 +102,9 @@ class ShardRuntime:
             return
         storage = unit.storage
         self._trace("all_gather", unit)
-        self.gathered_bytes += storage.gathered_nbytes
-        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
+        if not storage.is_allocated:  # a refresh (after an optimizer step) reuses its buffer
+            self.gathered_bytes += storage.gathered_nbytes
+            self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
         unit.inflight = collectives.all_gather(
             storage.allocate(), storage.shard_for_gather(), self.group, self.stats, async_op=True
         )

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import lightning as L
 import torch
 import torch.nn.functional as F
@@ -44,7 +42,3 @@ class LitLanguageModel(L.LightningModule):
         warmup = max(1, self.warmup_steps)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
-
-    @staticmethod
-    def perplexity(loss: float) -> float:
-        return math.exp(loss)
