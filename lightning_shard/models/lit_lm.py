@@ -25,12 +25,16 @@ class LitLanguageModel(L.LightningModule):
         self.log("train_loss", loss, prog_bar=True, sync_dist=True)
         return loss
 
-    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+    def _evaluate(self, batch: torch.Tensor, prefix: str) -> None:
         loss = self._loss(batch)
-        self.log("val_loss", loss, sync_dist=True)
-        self.log("val_ppl", torch.exp(loss), sync_dist=True)
+        self.log(f"{prefix}_loss", loss, sync_dist=True)
+        self.log(f"{prefix}_ppl", torch.exp(loss), sync_dist=True)
 
-    test_step = validation_step
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self._evaluate(batch, "val")
+
+    def test_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self._evaluate(batch, "test")
 
     def configure_optimizers(self):
         decay = [p for n, p in self.named_parameters() if n in self._decay_names]
