@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import functools
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,10 @@ class CommStats:
         self.__init__()  # type: ignore[misc]
 
 
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out: a peer died, stopped calling collectives, or the network broke."""
+
+
 @dataclass
 class Pending:
     """An in-flight collective and the buffers it must keep alive until it completes."""
@@ -46,11 +51,13 @@ class Pending:
     stats: CommStats
     keep_alive: tuple = field(default_factory=tuple)
     version_guard: Optional[Any] = None  # restores the output's autograd version once the data has landed
+    label: str = ""  # what the collective was for, for error messages
 
     def wait(self) -> Tensor:
         if self.work is not None:
             start = time.perf_counter()
-            self.work.wait()
+            with _naming_failures(self.label, start):
+                self.work.wait()
             self.stats.exposed_seconds += time.perf_counter() - start
             self.work = None
             self.keep_alive = ()
@@ -60,18 +67,36 @@ class Pending:
         return self.result
 
 
+@contextmanager
+def _naming_failures(label: str, start: float) -> Iterator[None]:
+    try:
+        yield
+    except Exception as err:  # gloo/NCCL raise RuntimeError or DistBackendError, with little context
+        waited = time.perf_counter() - start
+        raise CollectiveError(
+            f"lightning_shard: {label} failed after {waited:.1f}s on rank {_rank()}: {err}. A peer rank probably"
+            " died or stopped calling collectives; the bound is the process group timeout (ShardStrategy(timeout=...))."
+        ) from err
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 def _run(launch: Callable[..., Optional[dist.Work]], result: Tensor, stats: CommStats, async_op: bool,
-         keep_alive: tuple = ()) -> Pending:
+         keep_alive: tuple = (), label: str = "") -> Pending:
     stats.collectives += 1
-    if async_op:
-        return Pending(launch(async_op=True), result, stats, keep_alive)
     start = time.perf_counter()
-    launch()
+    with _naming_failures(label, start):
+        if async_op:
+            return Pending(launch(async_op=True), result, stats, keep_alive, label=label)
+        launch()
     stats.exposed_seconds += time.perf_counter() - start
-    return Pending(None, result, stats)
+    return Pending(None, result, stats, label=label)
 
 
-def all_gather(output: Tensor, shard: Tensor, group, stats: CommStats, async_op: bool = False) -> Pending:
+def all_gather(output: Tensor, shard: Tensor, group, stats: CommStats, async_op: bool = False,
+               label: str = "all-gather") -> Pending:
     """Gather every rank's ``shard`` into ``output`` (rank-major)."""
     # Note: refilling a gathered parameter's storage is not an autograd-visible change of its value, but
     # the collective bumps the output's version counter (gloo does so when the work completes), which
@@ -79,24 +104,27 @@ def all_gather(output: Tensor, shard: Tensor, group, stats: CommStats, async_op:
     guard = torch.autograd._unsafe_preserve_version_counter(output)
     stats.all_gather_bytes += output.numel() * output.element_size()
     with torch.no_grad():
-        pending = _run(functools.partial(_all_gather, output, shard, group=group), output, stats, async_op, (shard,))
+        pending = _run(functools.partial(_all_gather, output, shard, group=group), output, stats, async_op, (shard,),
+                       label)
     pending.version_guard = guard
     if not async_op:
         pending.wait()
     return pending
 
 
-def reduce_scatter(flat: Tensor, group, stats: CommStats, async_op: bool = False) -> Pending:
+def reduce_scatter(flat: Tensor, group, stats: CommStats, async_op: bool = False,
+                   label: str = "reduce-scatter") -> Pending:
     """Sum ``flat`` over ranks; this rank receives its 1/N slice."""
     world = dist.get_world_size(group)
     output = flat.new_empty(flat.numel() // world)
     stats.reduce_scatter_bytes += flat.numel() * flat.element_size()
     launch = functools.partial(_reduce_scatter, output, flat, op=dist.ReduceOp.SUM, group=group)
-    return _run(launch, output, stats, async_op, (flat,))
+    return _run(launch, output, stats, async_op, (flat,), label)
 
 
-def all_reduce(flat: Tensor, group, stats: CommStats, async_op: bool = False) -> Pending:
-    """Sum ``flat`` over ranks, in place."""
+def all_reduce(flat: Tensor, group, stats: CommStats, async_op: bool = False, label: str = "all-reduce",
+               op: dist.ReduceOp = dist.ReduceOp.SUM) -> Pending:
+    """Reduce ``flat`` over ranks (a sum unless ``op`` says otherwise), in place."""
     stats.all_reduce_bytes += 2 * flat.numel() * flat.element_size()  # a reduce-scatter plus an all-gather
-    launch = functools.partial(dist.all_reduce, flat, op=dist.ReduceOp.SUM, group=group)
-    return _run(launch, flat, stats, async_op)
+    launch = functools.partial(dist.all_reduce, flat, op=op, group=group)
+    return _run(launch, flat, stats, async_op, label=label)

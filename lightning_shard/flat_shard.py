@@ -149,6 +149,14 @@ class FlatShard:
             pieces.append(self.shard.new_zeros(padding, dtype=dtype))
         return torch.cat(pieces), used
 
+    def grads_finite(self) -> bool:
+        return self.shard_grad is None or bool(torch.isfinite(self.shard_grad).all())
+
+    def clear_grads(self) -> None:
+        for param in self.shard_params:
+            param.grad = None
+        self.shard_grad, self._shard_grad_views = None, {}
+
     def accumulate_shard_grad(self, reduced: Tensor, used: list[int]) -> None:
         """Add this rank's reduced gradient shard to the shard parameters' ``.grad``.
 

@@ -70,6 +70,7 @@ class ShardRuntime:
         group: Optional[dist.ProcessGroup],
         reduce_dtype: Optional[torch.dtype] = None,
         prefetch: int = 1,
+        nonfinite: Optional[str] = None,
     ) -> None:
         self.root = root
         self.units = units  # root unit last
@@ -78,6 +79,9 @@ class ShardRuntime:
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
         self.reduce_dtype = reduce_dtype
         self.prefetch = prefetch
+        self.nonfinite = nonfinite  # None, "skip" or "error": what a non-finite gradient does
+        self.steps_done = 0
+        self.skipped_steps = 0
         self.stats = CommStats()
         self.last_step_stats: dict[str, float] = {}
         self.gathered_bytes = 0  # bytes of gathered buffers alive now (root included)
@@ -106,7 +110,8 @@ class ShardRuntime:
             self.gathered_bytes += storage.gathered_nbytes
             self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
         unit.inflight = collectives.all_gather(
-            storage.allocate(), storage.shard_for_gather(), self.group, self.stats, async_op=True
+            storage.allocate(), storage.shard_for_gather(), self.group, self.stats, async_op=True,
+            label=f"all-gather of unit {unit.name!r}",
         )
 
     def gather(self, unit: Unit) -> None:
@@ -199,6 +204,7 @@ class ShardRuntime:
         since the optimizer changed their shards."""
         self.last_step_stats = self.stats.as_dict()
         self.stats.reset()
+        self.steps_done += 1
         for unit in self.units:
             if unit.is_gathered and not unit.storage.aliases_shard:
                 unit.is_gathered = False
@@ -307,9 +313,11 @@ class ShardRuntime:
             flat.div_(self.world_size)  # average like DDP: divide first, then sum
         self._trace("reduce", unit)
         if storage.world_size > 1:
-            pending = collectives.reduce_scatter(flat, self.group, self.stats, async_op=True)
+            pending = collectives.reduce_scatter(flat, self.group, self.stats, async_op=True,
+                                                 label=f"reduce-scatter of unit {unit.name!r}'s gradients")
         elif self.world_size > 1:
-            pending = collectives.all_reduce(flat, self.group, self.stats, async_op=True)
+            pending = collectives.all_reduce(flat, self.group, self.stats, async_op=True,
+                                             label=f"all-reduce of unit {unit.name!r}'s gradients")
         else:
             pending = Pending(None, flat, self.stats)
         self._pending_reductions.append((unit, pending, used))
@@ -321,10 +329,30 @@ class ShardRuntime:
         for unit, pending, used in self._pending_reductions:
             unit.storage.accumulate_shard_grad(pending.wait(), used)
         self._pending_reductions.clear()
+        if self.nonfinite is not None:
+            self._check_finite()
         for unit in self.units:
             unit.backward_pending = 0
             if unit is not self.root_unit or self._depth == 0:
                 self.reshard(unit)
+
+    def _check_finite(self) -> None:
+        """All ranks agree whether any gradient shard is not finite (a non-finite loss makes them so)."""
+        finite = torch.tensor([float(unit.storage.grads_finite()) for unit in self.units])
+        if self.world_size > 1:
+            collectives.all_reduce(finite, self.group, self.stats, label="all-reduce of gradient finiteness",
+                                   op=dist.ReduceOp.MIN).wait()
+        if bool(finite.all()):
+            return
+        first = self.units[int((finite == 0).nonzero()[0])]
+        if self.nonfinite == "error":
+            raise FloatingPointError(
+                f"lightning_shard: non-finite gradient at step {self.steps_done}, first in unit {first.name!r}."
+            )
+        for unit in self.units:  # "skip": the optimizer sees no gradient anywhere, on every rank
+            unit.storage.clear_grads()
+        self.skipped_steps += 1
+        warnings.warn(f"lightning_shard: step {self.steps_done} skipped: non-finite gradient in unit {first.name!r}.")
 
     # -- norms --------------------------------------------------------------------------------------
     @property
@@ -340,7 +368,7 @@ class ShardRuntime:
         for g in grads:
             sq += g.detach().float().pow(2).sum()
         if self.grads_are_sharded and self.world_size > 1:
-            dist.all_reduce(sq, group=self.group)
+            collectives.all_reduce(sq, self.group, self.stats, label="all-reduce of the gradient norm").wait()
         total_norm = sq.sqrt()
         clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
         for g in grads:

@@ -32,6 +32,7 @@ def shard_module(
     reduce_dtype: Optional[torch.dtype] = None,
     buffer_dtype: Optional[torch.dtype] = None,
     prefetch: int = 1,
+    nonfinite: Optional[str] = None,
 ) -> ShardRuntime:
     """Shard ``module``'s parameters across ``group`` and install the hooks that gather them on use.
 
@@ -48,6 +49,8 @@ def shard_module(
     shard_rank, shard_world = (rank, world) if sharding != "none" else (0, 1)
 
     plans = plan_units(module, units=units, unit_size=unit_size)
+    if world > 1:
+        _check_ranks_agree(plans, group)
     built: list[Unit] = []
     root_unit = None
     for plan in plans:
@@ -74,9 +77,28 @@ def shard_module(
         for buffer in module.buffers():
             dist.broadcast(buffer, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
 
-    runtime = ShardRuntime(module, built, root_unit, group, reduce_dtype=reduce_dtype, prefetch=prefetch)
+    runtime = ShardRuntime(module, built, root_unit, group, reduce_dtype=reduce_dtype, prefetch=prefetch,
+                           nonfinite=nonfinite)
     module._shard_runtime = runtime
     return runtime
+
+
+def _check_ranks_agree(plans: list[UnitPlan], group: Optional[dist.ProcessGroup]) -> None:
+    """Ranks built from different code or configs would exchange garbage (or hang): refuse at setup."""
+    mine = [(plan.name, _fqn(*locations[0]), tuple(param.shape), str(param.dtype), param.requires_grad)
+            for plan in plans for param, locations in plan.params]
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    reference = everyone[0]
+    for rank, theirs in enumerate(everyone):
+        if theirs == reference:
+            continue
+        for ours, other in zip(reference + [None] * len(theirs), theirs + [None] * len(reference)):
+            if ours != other:
+                raise ValueError(
+                    "Ranks disagree on the model to shard: rank 0 has (unit, parameter, shape, dtype, requires_grad)"
+                    f" {ours}, rank {rank} has {other}. Every rank must build the same model and unit policy."
+                )
 
 
 def _flatten(root: nn.Module, plan: UnitPlan) -> tuple[list[ParamSlot], torch.Tensor]:

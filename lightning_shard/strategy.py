@@ -3,6 +3,7 @@ optimizer and precision hooks, checkpoint state)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -57,7 +58,12 @@ class ShardStrategy(ParallelStrategy):
             ``accumulate_grad_batches``: less communication, but a full gradient per unit is held.
         mixed_precision: dtypes of gathers/compute, gradient reduction and buffers; wins over the
             Trainer's ``precision`` string (which otherwise decides, see ``lightning_shard.precision``).
-        timeout: bound on every collective (a ``timedelta`` or seconds).
+        nonfinite: ``None`` (default, no check), ``"skip"`` (a step whose gradients are not finite on any
+            rank is skipped on every rank, with a warning) or ``"error"`` (stop, naming the step and the
+            first unit whose gradient is not finite). Costs one pass over the gradient shards and one tiny
+            all-reduce per step.
+        timeout: bound on every collective (a ``timedelta`` or seconds): a dead or stuck rank turns into an
+            error naming the collective and the unit on every other rank within it.
     """
 
     strategy_name = "lightning_shard"
@@ -70,6 +76,7 @@ class ShardStrategy(ParallelStrategy):
         prefetch: int = 1,
         reduce_during_accumulation: bool = True,
         mixed_precision: Optional[MixedPrecision] = None,
+        nonfinite: Optional[str] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -95,6 +102,9 @@ class ShardStrategy(ParallelStrategy):
         self.prefetch = prefetch
         self.reduce_during_accumulation = bool(reduce_during_accumulation)
         self.mixed_precision = validate_mixed_precision(mixed_precision)
+        if nonfinite not in (None, "skip", "error"):
+            raise ValueError(f"`nonfinite` must be None, 'skip' or 'error'; got {nonfinite!r}.")
+        self.nonfinite = nonfinite
         if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
             timeout = timedelta(seconds=timeout)
         if timeout is not None and not isinstance(timeout, timedelta):
@@ -178,6 +188,7 @@ class ShardStrategy(ParallelStrategy):
             self.runtime = shard_module(
                 self.model, sharding=self.sharding, units=self.units, unit_size=self.unit_size, prefetch=self.prefetch,
                 param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype, buffer_dtype=policy.buffer_dtype,
+                nonfinite=self.nonfinite,
             )
             rank_zero_info(
                 f"lightning_shard: sharding={self.sharding!r}, {len(self.runtime.units)} units over"
@@ -284,6 +295,24 @@ class ShardStrategy(ParallelStrategy):
         assert self.runtime is not None
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             load_full_optimizer_state_dict(self.runtime, optimizer, state)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Rank 0 writes beside the target, then renames: a save that fails or is killed half-way leaves the
+        previous checkpoint intact, and a partial file never carries the checkpoint's name."""
+        if not self.is_global_zero:
+            return
+        path = os.fspath(filepath)
+        if "://" in path:  # remote storage: no rename; rely on the CheckpointIO
+            return self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+        partial = f"{path}.partial"
+        try:
+            self.checkpoint_io.save_checkpoint(checkpoint, partial, storage_options=storage_options)
+            os.replace(partial, path)
+        except BaseException as err:
+            if os.path.exists(partial):
+                os.remove(partial)
+            raise OSError(f"lightning_shard: saving the checkpoint {path!r} failed ({err}); any previous file"
+                          " at that path is intact.") from err
 
     def teardown(self) -> None:
         # Unlike the base class, do not move the module to CPU: that would break its shard views.

@@ -21,12 +21,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
+def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple,
+            pg_timeout: float) -> None:
     torch.set_num_threads(1)
     try:
         dist.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-            timeout=timedelta(seconds=60),
+            timeout=timedelta(seconds=pg_timeout),
         )
         result = fn(rank, world_size, *args)
         with open(os.path.join(out_dir, f"result{rank}"), "wb") as f:
@@ -40,13 +41,17 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, a
             dist.destroy_process_group()
 
 
-def run_world(fn: Callable, world_size: int, *args: Any, timeout: float = 240) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on every rank; return the per-rank results or raise."""
+def run_world(fn: Callable, world_size: int, *args: Any, timeout: float = 240, pg_timeout: float = 60,
+              may_die: tuple[int, ...] = ()) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on every rank; return the per-rank results or raise.
+
+    Ranks in ``may_die`` may be killed (their result is None); every other rank must return.
+    """
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as out_dir:
         port = _free_port()
         procs = [
-            ctx.Process(target=_worker, args=(r, world_size, port, out_dir, fn, args), daemon=True)
+            ctx.Process(target=_worker, args=(r, world_size, port, out_dir, fn, args, pg_timeout), daemon=True)
             for r in range(world_size)
         ]
         for p in procs:
@@ -67,11 +72,15 @@ def run_world(fn: Callable, world_size: int, *args: Any, timeout: float = 240) -
             raise AssertionError("\n".join(errors))
         if hung:
             raise TimeoutError(f"ranks {hung} did not finish within {timeout}s")
-        bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
+        bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0 and r not in may_die]
         if bad:
             raise AssertionError(f"ranks exited with non-zero codes: {bad}")
         results = []
         for r in range(world_size):
-            with open(os.path.join(out_dir, f"result{r}"), "rb") as f:
+            path = os.path.join(out_dir, f"result{r}")
+            if r in may_die and not os.path.exists(path):
+                results.append(None)
+                continue
+            with open(path, "rb") as f:
                 results.append(pickle.load(f))
         return results
