@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 import torch
@@ -75,12 +76,23 @@ class LitGPT(L.LightningModule):
         return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)]
 
 
+class CrashAt(L.Callback):
+    """kill -9 of rank 1 when a given step starts: a crash, not a clean stop."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.step and trainer.global_rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 def loader(seed: int, n: int = 96) -> DataLoader:
     g = torch.Generator().manual_seed(seed)
     return DataLoader(TensorDataset(TinyGPT.batch(g, n)), batch_size=4)
 
 
-def run(strategy, args, max_epochs: int, ckpt_dir: str, resume: str | None = None) -> dict:
+def run(strategy, args, max_epochs: int, ckpt_dir: str, resume: str | None = None, crash_at: int | None = None) -> dict:
     torch.manual_seed(0)
     module = LitGPT(manual=args.manual)
     trainer = L.Trainer(
@@ -89,7 +101,8 @@ def run(strategy, args, max_epochs: int, ckpt_dir: str, resume: str | None = Non
         gradient_clip_val=None if args.manual else args.clip, gradient_clip_algorithm=args.clip_algorithm,
         logger=L.pytorch.loggers.CSVLogger(ckpt_dir, name="logs"), enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True)],
+        callbacks=[L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True)]
+        + ([CrashAt(crash_at)] if crash_at is not None else []),
         num_sanity_val_steps=0, deterministic=True,
     )
     trainer.fit(module, loader(1), loader(2), ckpt_path=resume)
@@ -112,12 +125,16 @@ def main() -> None:
     parser.add_argument("--manual", action="store_true")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--resume", action="store_true", help="also run: 1 epoch, then resume to --epochs")
+    parser.add_argument("--resume-from", default=None, help="resume the shard runs from this checkpoint")
+    parser.add_argument("--crash-at-step", type=int, default=None, help="kill -9 rank 1 at this step")
+    parser.add_argument("--skip-ddp", action="store_true")
     args = parser.parse_args()
 
-    results = {"ddp": run("ddp", args, args.epochs, os.path.join(args.out, "ddp"))}
+    results = {} if args.skip_ddp else {"ddp": run("ddp", args, args.epochs, os.path.join(args.out, "ddp"))}
     for sharding in args.sharding:
         ckpt_dir = os.path.join(args.out, sharding)
-        results[sharding] = run(ShardStrategy(sharding=sharding), args, args.epochs, ckpt_dir)
+        results[sharding] = run(ShardStrategy(sharding=sharding), args, args.epochs, ckpt_dir,
+                                resume=args.resume_from, crash_at=args.crash_at_step)
         if args.resume:
             first = run(ShardStrategy(sharding=sharding), args, 1, ckpt_dir + "_resume")
             resumed = run(ShardStrategy(sharding=sharding), args, args.epochs, ckpt_dir + "_resume",

@@ -14,6 +14,7 @@ pytestmark = pytest.mark.timeout(900)
 
 
 def run_app(tmp_path, *args: str) -> dict:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     proc = subprocess.run(
         [sys.executable, APP, "--out", str(tmp_path), *args],
         capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONWARNINGS": "ignore"},
@@ -75,3 +76,17 @@ def test_world_size_one_matches_ddp(tmp_path):
     results = run_app(tmp_path, "--devices", "1", "--sharding", "full", "none")
     assert_matches_ddp(results, "full")
     assert_matches_ddp(results, "none")
+
+
+def test_resume_after_a_crash_continues_like_an_uninterrupted_run(tmp_path):
+    uninterrupted = run_app(tmp_path / "whole", "--sharding", "full", "--skip-ddp")["full"]["losses"]
+    crashed = tmp_path / "crashed"
+    proc = subprocess.run([sys.executable, APP, "--out", str(crashed), "--sharding", "full", "--skip-ddp",
+                           "--crash-at-step", "16"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0  # rank 1 was killed in epoch 2; rank 0 failed fast instead of hanging
+    assert "CollectiveError" in proc.stderr or "failed after" in proc.stderr, proc.stderr[-3000:]
+    last = crashed / "full" / "last.ckpt"  # written at the end of epoch 1 (step 12)
+    resumed = run_app(tmp_path / "resumed", "--sharding", "full", "--skip-ddp", "--resume-from", str(last))
+    steps_per_epoch = len(uninterrupted) // 2
+    torch.testing.assert_close(torch.tensor(resumed["full"]["losses"]),
+                               torch.tensor(uninterrupted[steps_per_epoch:]), rtol=1e-6, atol=1e-7)
