@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Generator, Mapping, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Callable, Optional, Union
 

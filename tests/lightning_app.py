@@ -16,7 +16,6 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning as L
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import lightning_shard  # noqa: E402  (registers the strategy names)
 from lightning_shard import ShardStrategy  # noqa: E402
 from tests.models import TinyGPT  # noqa: E402
 

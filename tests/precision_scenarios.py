@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lightning_shard import shard_module

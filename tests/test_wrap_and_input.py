@@ -1,6 +1,5 @@
 """Unit planning and bad input: clear errors at construction, naming the option and allowed values."""
 
-import warnings
 
 import pytest
 import torch
