@@ -24,6 +24,7 @@ import torch
 import torch.multiprocessing as mp
 from torch.utils.data import DataLoader
 
+from lightning_shard.callbacks import model_state_bytes
 from lightning_shard.models.gpt import GPT
 from lightning_shard.models.lit_lm import LitLanguageModel
 
@@ -58,20 +59,8 @@ class StepTimer(L.Callback):
         self.exposed.append(getattr(trainer.strategy, "comm_stats", {}).get("exposed_seconds", float("nan")))
 
 
-def _local_bytes(tensors) -> int:
-    total = 0
-    for t in tensors:
-        if t is None:
-            continue
-        t = t.to_local() if hasattr(t, "to_local") else t
-        total += t.numel() * t.element_size()
-    return total
-
-
-def _model_state_mb(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float:
-    params = list(model.parameters())
-    state = [v for s in optimizer.state.values() for k, v in s.items() if torch.is_tensor(v) and k != "step"]
-    return (_local_bytes(params) + _local_bytes(p.grad for p in params) + _local_bytes(state)) / 2**20
+def _model_state_mb(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float:
+    return model_state_bytes(module, [optimizer]) / 2**20
 
 
 def _strategy(name: str, world: int):

@@ -23,6 +23,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_shard.precision import SUPPORTED_PRECISION
+
 CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
 
 
@@ -71,8 +73,8 @@ def _local_world_size(trainer_cfg: DictConfig) -> int:
 def _check_before_launch(cfg: DictConfig) -> None:
     """Bad values fail here, with the option's own message, before any rank starts."""
     instantiate(cfg.strategy)
-    if cfg.precision not in ("32-true", "bf16-mixed", "16-mixed", "bf16-true"):
-        raise ValueError(f"`precision` must be one of 32-true, bf16-mixed, 16-mixed, bf16-true; got {cfg.precision!r}.")
+    if cfg.precision not in SUPPORTED_PRECISION:
+        raise ValueError(f"`precision` must be one of {', '.join(SUPPORTED_PRECISION)}; got {cfg.precision!r}.")
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
