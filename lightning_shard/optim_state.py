@@ -109,7 +109,7 @@ def load_full_optimizer_state_dict(runtime: ShardRuntime, optimizer: Optimizer, 
         local = {}
         for key, value in saved.items():
             if isinstance(value, Tensor) and value.shape == slot.shape and value.dim() > 0:
-                value = value.reshape(-1)[start : start + hi - lo]
+                value = value.reshape(-1)[start : start + hi - lo].clone()  # not a view of a mapped file
             local[key] = value
         state[i] = local
     optimizer.load_state_dict({"state": state, "param_groups": full["param_groups"]})

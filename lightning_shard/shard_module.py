@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_shard.flat_shard import FlatShard, ParamSlot
+from lightning_shard.materialize import Materializer
 from lightning_shard.runtime import ShardRuntime, Unit
 from lightning_shard.wrap import UnitPlan, UnitSpec, plan_units
 
@@ -33,11 +34,14 @@ def shard_module(
     buffer_dtype: Optional[torch.dtype] = None,
     prefetch: int = 1,
     nonfinite: Optional[str] = None,
+    device: Optional[torch.device] = None,
 ) -> ShardRuntime:
     """Shard ``module``'s parameters across ``group`` and install the hooks that gather them on use.
 
     Every rank must call this with an identical model; rank 0's values are the ones kept (like DDP,
-    which broadcasts rank 0's parameters), so ranks need not share a seed.
+    which broadcasts rank 0's parameters), so ranks need not share a seed. A model built on the meta
+    device is materialised on ``device`` unit by unit with its modules' ``reset_parameters()``: a rank
+    holds its shards plus at most one full unit, never the whole model.
     """
     validate_sharding(sharding)
     existing = getattr(module, "_shard_runtime", None)
@@ -51,12 +55,15 @@ def shard_module(
     plans = plan_units(module, units=units, unit_size=unit_size)
     if world > 1:
         _check_ranks_agree(plans, group)
+    materializer = Materializer(module, device or _first_real_device(module))
     built: list[Unit] = []
     root_unit = None
     for plan in plans:
         if not plan.params:
             continue
+        materializer.unit(plan)
         slots, flat = _flatten(module, plan)
+        plan.params.clear()  # the unit's full tensors go with their last reference
         if world > 1:
             dist.broadcast(flat, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
         storage = FlatShard(slots, flat, shard_rank, shard_world, param_dtype=param_dtype)
@@ -68,6 +75,7 @@ def shard_module(
         built.append(unit)
         if is_root:
             root_unit = unit
+    materializer.leftover_buffers()
     if buffer_dtype is not None:
         for submodule in module.modules():
             for name, buffer in submodule._buffers.items():
@@ -125,6 +133,11 @@ def _flatten(root: nn.Module, plan: UnitPlan) -> tuple[list[ParamSlot], torch.Te
         pieces.append(param.detach().reshape(-1))
         offset += param.numel()
     return slots, torch.cat(pieces)
+
+
+def _first_real_device(module: nn.Module) -> torch.device:
+    real = next((t.device for t in (*module.parameters(), *module.buffers()) if not t.is_meta), None)
+    return real or torch.device("cpu")
 
 
 def _fqn(module_name: str, attr: str) -> str:

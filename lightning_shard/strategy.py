@@ -4,8 +4,9 @@ optimizer and precision hooks, checkpoint state)."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from collections.abc import Generator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Callable, Optional, Union
 
@@ -34,6 +35,14 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 import lightning.pytorch as pl
+from lightning_shard import sharded_checkpoint
+from lightning_shard.checkpointing import (
+    ShardedSource,
+    open_checkpoint,
+    save_full,
+    save_sharded,
+    validate_state_dict_type,
+)
 from lightning_shard.optim_state import full_optimizer_state_dict, load_full_optimizer_state_dict
 from lightning_shard.precision import MixedPrecision, ShardPrecision, validate_mixed_precision
 from lightning_shard.runtime import ShardRuntime
@@ -62,8 +71,15 @@ class ShardStrategy(ParallelStrategy):
             rank is skipped on every rank, with a warning) or ``"error"`` (stop, naming the step and the
             first unit whose gradient is not finite). Costs one pass over the gradient shards and one tiny
             all-reduce per step.
+        state_dict_type: ``"sharded"`` (default: each rank writes its own shards into a checkpoint
+            directory with ``torch.distributed.checkpoint``; no rank ever holds the whole model) or ``"full"``
+            (rank 0 writes one ordinary checkpoint file that loads into the plain LightningModule). Either
+            kind loads on any number of ranks and under any unit policy; see ``lightning_shard.consolidate``.
         timeout: bound on every collective (a ``timedelta`` or seconds): a dead or stuck rank turns into an
             error naming the collective and the unit on every other rank within it.
+
+    ``configure_model()`` and ``trainer.init_module(empty_init=True)`` build the model on the meta device;
+    setup materialises it unit by unit (each module's ``reset_parameters()``), keeping only this rank's shards.
     """
 
     strategy_name = "lightning_shard"
@@ -77,6 +93,7 @@ class ShardStrategy(ParallelStrategy):
         reduce_during_accumulation: bool = True,
         mixed_precision: Optional[MixedPrecision] = None,
         nonfinite: Optional[str] = None,
+        state_dict_type: str = "sharded",
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -105,6 +122,7 @@ class ShardStrategy(ParallelStrategy):
         if nonfinite not in (None, "skip", "error"):
             raise ValueError(f"`nonfinite` must be None, 'skip' or 'error'; got {nonfinite!r}.")
         self.nonfinite = nonfinite
+        self.state_dict_type = validate_state_dict_type(state_dict_type)
         if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
             timeout = timedelta(seconds=timeout)
         if timeout is not None and not isinstance(timeout, timedelta):
@@ -188,7 +206,7 @@ class ShardStrategy(ParallelStrategy):
             self.runtime = shard_module(
                 self.model, sharding=self.sharding, units=self.units, unit_size=self.unit_size, prefetch=self.prefetch,
                 param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype, buffer_dtype=policy.buffer_dtype,
-                nonfinite=self.nonfinite,
+                nonfinite=self.nonfinite, device=self.root_device,
             )
             rank_zero_info(
                 f"lightning_shard: sharding={self.sharding!r}, {len(self.runtime.units)} units over"
@@ -209,7 +227,19 @@ class ShardStrategy(ParallelStrategy):
     def model_to_device(self) -> None:
         assert self.model is not None
         if self.runtime is None:  # moving a sharded model would break its shard views
-            self.model.to(self.root_device)
+            # meta tensors stay: setup materialises them on the device unit by unit
+            self.model._apply(lambda t: t if t.is_meta else t.to(self.root_device))
+
+    @contextmanager
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        with torch.device("meta") if empty_init else nullcontext(), self.precision_plugin.tensor_init_context():
+            yield
+
+    @contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """``configure_model`` builds on the meta device: setup materialises only this rank's shards."""
+        with torch.device("meta"):
+            yield
 
     # -- steps --------------------------------------------------------------------------------------
     def _run_step(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -277,42 +307,53 @@ class ShardStrategy(ParallelStrategy):
 
     # -- state --------------------------------------------------------------------------------------
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The full, unsharded state dict on rank 0 (loads into the plain LightningModule)."""
+        """Sharded: this rank's shards (views, for DCP). Full: the unsharded state dict on rank 0 ({} elsewhere)."""
         assert self.runtime is not None
+        if self.state_dict_type == "sharded":
+            return sharded_checkpoint.model_state(self.runtime)
         return full_state_dict(self.runtime, rank0_only=True)
-
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        assert self.runtime is not None
-        load_full_state_dict(self.runtime, checkpoint["state_dict"], strict=strict)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         assert self.runtime is not None
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
+        if self.state_dict_type == "sharded":
+            return sharded_checkpoint.optimizer_state(self.runtime, optimizer)
         return full_optimizer_state_dict(self.runtime, optimizer, rank0_only=True)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Written beside the target and moved into place when complete: a save that fails or is killed
+        half-way leaves the previous checkpoint intact, and a partial one never carries its name."""
+        path = Path(self.broadcast(os.fspath(filepath)))
+        if self.state_dict_type == "sharded":
+            if storage_options is not None:
+                raise TypeError("`storage_options` is not supported with state_dict_type='sharded'.")
+            save_sharded(checkpoint, path, group=None)
+        elif self.is_global_zero:
+            save_full(checkpoint, path, self.checkpoint_io, storage_options)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Either format, saved on any number of ranks; checked first, read with ``weights_only=True``."""
+        path = Path(self.broadcast(os.fspath(checkpoint_path)))
+        return open_checkpoint(path)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        assert self.runtime is not None
+        source = checkpoint["state_dict"]
+        if isinstance(source, ShardedSource):
+            sharded_checkpoint.load_model_state(self.runtime, source.directory, source.metadata, strict=strict)
+        else:
+            load_full_state_dict(self.runtime, source, strict=strict)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         assert self.runtime is not None
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            load_full_optimizer_state_dict(self.runtime, optimizer, state)
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        """Rank 0 writes beside the target, then renames: a save that fails or is killed half-way leaves the
-        previous checkpoint intact, and a partial file never carries the checkpoint's name."""
-        if not self.is_global_zero:
-            return
-        path = os.fspath(filepath)
-        if "://" in path:  # remote storage: no rename; rely on the CheckpointIO
-            return self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
-        partial = f"{path}.partial"
-        try:
-            self.checkpoint_io.save_checkpoint(checkpoint, partial, storage_options=storage_options)
-            os.replace(partial, path)
-        except BaseException as err:
-            if os.path.exists(partial):
-                os.remove(partial)
-            raise OSError(f"lightning_shard: saving the checkpoint {path!r} failed ({err}); any previous file"
-                          " at that path is intact.") from err
+        source = checkpoint["state_dict"]
+        for i, (optimizer, state) in enumerate(zip(self.optimizers, checkpoint["optimizer_states"])):
+            if isinstance(source, ShardedSource):
+                sharded_checkpoint.load_optimizer_state(self.runtime, optimizer, i, state, source.directory,
+                                                        source.metadata)
+            else:
+                load_full_optimizer_state_dict(self.runtime, optimizer, state)
 
     def teardown(self) -> None:
         # Unlike the base class, do not move the module to CPU: that would break its shard views.

@@ -1,0 +1,82 @@
+"""Sharded checkpoints inside a gloo world (see world.py): save on N ranks under one unit policy, load on M
+ranks under another, and compare the full model and optimizer state with what was saved."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from lightning_shard import shard_module
+from lightning_shard import sharded_checkpoint as sharded
+from lightning_shard.checkpointing import open_checkpoint, save_sharded
+from lightning_shard.optim_state import full_optimizer_state_dict
+from lightning_shard.state_dict import full_state_dict
+from tests import models
+from tests.engine_scenarios import param_groups
+
+MODELS = {"gpt": models.TinyGPT, "odd": models.Odd}
+
+
+def _steps(model, runtime, opt, model_cls, batches, rank, world):
+    losses = []
+    for batch in batches:
+        loss = model_cls.loss(model, batch.chunk(world)[rank], 0)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append((total / world).item())
+    return losses
+
+
+def _batches(model_cls, seed, n):
+    g = torch.Generator().manual_seed(seed)
+    return [model_cls.batch(g, 12) for _ in range(n)]
+
+
+def _build(name, seed, policy):
+    model_cls = MODELS[name]
+    torch.manual_seed(seed)
+    model = model_cls()
+    runtime = shard_module(model, **policy)
+    opt = torch.optim.AdamW(param_groups(model), lr=1e-2)
+    return model_cls, model, runtime, opt
+
+
+def save_then_continue(rank, world, name, policy, path):
+    """Train 3 steps, save, train 2 more; return the saved full state and the 2 losses after the save."""
+    model_cls, model, runtime, opt = _build(name, 0, policy)
+    _steps(model, runtime, opt, model_cls, _batches(model_cls, 1, 3), rank, world)
+    checkpoint = {"state_dict": sharded.model_state(runtime),
+                  "optimizer_states": [sharded.optimizer_state(runtime, opt)], "epoch": 7}
+    save_sharded(checkpoint, Path(path))
+    saved = (full_state_dict(runtime, rank0_only=False), full_optimizer_state_dict(runtime, opt, rank0_only=False))
+    after = _steps(model, runtime, opt, model_cls, _batches(model_cls, 2, 2), rank, world)
+    return {"model": saved[0], "optimizer": saved[1], "after": after, "units": len(runtime.units)}
+
+
+def load_then_continue(rank, world, name, policy, path):
+    """A differently seeded model under another policy: load, report the full state, train 2 steps."""
+    model_cls, model, runtime, opt = _build(name, 99, policy)
+    checkpoint = open_checkpoint(Path(path))
+    source = checkpoint["state_dict"]
+    sharded.load_model_state(runtime, source.directory, source.metadata)
+    sharded.load_optimizer_state(runtime, opt, 0, checkpoint["optimizer_states"][0], source.directory, source.metadata)
+    loaded = (full_state_dict(runtime, rank0_only=False), full_optimizer_state_dict(runtime, opt, rank0_only=False))
+    after = _steps(model, runtime, opt, model_cls, _batches(model_cls, 2, 2), rank, world)
+    return {"model": loaded[0], "optimizer": loaded[1], "after": after, "epoch": checkpoint["epoch"],
+            "units": len(runtime.units)}
+
+
+def load_expecting_error(rank, world, name, policy, path):
+    model_cls, model, runtime, opt = _build(name, 99, policy)
+    try:
+        checkpoint = open_checkpoint(Path(path))
+        source = checkpoint["state_dict"]
+        sharded.load_model_state(runtime, source.directory, source.metadata)
+    except Exception as err:  # noqa: BLE001 - the test inspects it
+        return f"{type(err).__name__}: {err}"
+    return None

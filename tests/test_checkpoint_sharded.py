@@ -1,0 +1,116 @@
+"""Sharded checkpoints: exact round trips across world sizes and unit policies, consolidation, and clear
+errors for checkpoints that are incomplete, damaged or of another model."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lightning_shard.consolidate import consolidate
+from tests import checkpoint_scenarios as scenarios
+from tests.models import Odd, TinyGPT
+from tests.world import run_world
+
+pytestmark = pytest.mark.timeout(300)
+
+BLOCKS = {"units": ["Block"]}
+PACKED = {"unit_size": 700}
+PER_LAYER = {"units": ["Linear"]}
+
+CASES = [  # (model, saved on, policy, loaded on, policy)
+    ("gpt", 2, BLOCKS, 1, PACKED),
+    ("gpt", 2, BLOCKS, 3, PACKED),
+    ("gpt", 1, PACKED, 2, BLOCKS),
+    ("odd", 3, PER_LAYER, 2, {}),
+]
+
+
+def _assert_same_state(saved, loaded, what):
+    assert saved.keys() == loaded.keys(), what
+    for name in saved:
+        assert torch.equal(saved[name], loaded[name]), f"{what}: {name} differs"
+
+
+@pytest.mark.parametrize(("name", "n", "policy", "m", "new_policy"), CASES,
+                         ids=[f"{c[0]}-{c[1]}to{c[3]}" for c in CASES])
+def test_save_on_n_ranks_load_on_m_ranks_under_another_unit_policy(tmp_path, name, n, policy, m, new_policy):
+    path = str(tmp_path / "ckpt")
+    saved = run_world(scenarios.save_then_continue, n, name, policy, path)[0]
+    loaded = run_world(scenarios.load_then_continue, m, name, new_policy, path)[0]
+    assert saved["units"] != loaded["units"] or n != m  # the layout really changed
+
+    _assert_same_state(saved["model"], loaded["model"], "model")  # bit for bit
+    opt_saved, opt_loaded = saved["optimizer"], loaded["optimizer"]
+    assert opt_saved["param_groups"] == opt_loaded["param_groups"]
+    assert opt_saved["state"].keys() == opt_loaded["state"].keys()
+    for i in opt_saved["state"]:
+        _assert_same_state(opt_saved["state"][i], opt_loaded["state"][i], f"optimizer state of parameter {i}")
+    assert loaded["epoch"] == 7
+    # training goes on as if never interrupted (only the reduction order of N vs M ranks differs)
+    torch.testing.assert_close(torch.tensor(loaded["after"]), torch.tensor(saved["after"]), rtol=1e-5, atol=1e-6)
+
+
+def test_consolidate_gives_a_plain_checkpoint(tmp_path):
+    path = tmp_path / "ckpt"
+    saved = run_world(scenarios.save_then_continue, 2, "gpt", BLOCKS, str(path))[0]
+    out = tmp_path / "full.ckpt"
+    proc = subprocess.run([sys.executable, "-m", "lightning_shard.consolidate", str(path), str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    full = torch.load(out, weights_only=True)
+    _assert_same_state(saved["model"], full["state_dict"], "consolidated model")
+    plain = TinyGPT()
+    plain.load_state_dict(full["state_dict"])  # strict: every key, every shape
+    assert full["epoch"] == 7
+    optimizer = full["optimizer_states"][0]
+    assert optimizer["param_groups"] == saved["optimizer"]["param_groups"]
+    for i, state in saved["optimizer"]["state"].items():
+        _assert_same_state(state, optimizer["state"][i], f"consolidated optimizer state {i}")
+    opt = torch.optim.AdamW(scenarios.param_groups(plain), lr=1e-2)
+    opt.load_state_dict(optimizer)  # an ordinary optimizer state dict
+
+
+def _damaged_cases(path):
+    shard = path / "__1_0.distcp"
+    yield "missing", lambda: os.remove(shard), r"__1_0.distcp: missing"
+    data = shard.read_bytes()
+    yield "truncated", lambda: shard.write_bytes(data[: len(data) // 2]), r"__1_0.distcp: \d+ bytes, expected \d+ \(truncated"
+    flipped = bytearray(data)
+    flipped[len(data) // 2] ^= 0xFF
+    yield "corrupted", lambda: shard.write_bytes(bytes(flipped)), r"__1_0.distcp: contents do not match .*corrupted"
+    yield "unfinished", lambda: os.remove(path / "manifest.json"), r"not a complete lightning_shard checkpoint"
+
+
+def test_damaged_or_foreign_checkpoints_fail_clearly_on_every_rank(tmp_path):
+    path = tmp_path / "ckpt"
+    run_world(scenarios.save_then_continue, 2, "gpt", BLOCKS, str(path))
+    pristine = {p.name: p.read_bytes() for p in path.iterdir()}
+    for what, damage, message in _damaged_cases(path):
+        damage()
+        errors = run_world(scenarios.load_expecting_error, 2, "gpt", PACKED, str(path))
+        for error in errors:
+            assert error is not None and __import__("re").search(message, error), (what, error)
+        for name, data in pristine.items():  # repair for the next case
+            (path / name).write_bytes(data)
+    errors = run_world(scenarios.load_expecting_error, 2, "odd", {}, str(path))  # another model
+    assert all("does not fit the model" in e and "missing from the checkpoint [a.bias, a.weight" in e for e in errors)
+
+
+def test_checkpoint_metadata_is_never_unpickled_freely(tmp_path):
+    path = tmp_path / "ckpt"
+    run_world(scenarios.save_then_continue, 1, "odd", {}, str(path))
+    from lightning_shard.checkpoint_files import CheckpointError, SafeReader
+
+    class Exploit:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "pwned"),))
+
+    import pickle
+
+    (path / ".metadata").write_bytes(pickle.dumps(Exploit()))
+    with pytest.raises(CheckpointError, match=r"refers to (posix|os)\.system, which is not allowed"):
+        SafeReader(str(path)).read_metadata()
+    assert not (tmp_path / "pwned").exists()
+    assert Odd  # the model the checkpoint belongs to
