@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -43,16 +43,19 @@ class ShardedSource:
 
 def save_sharded(checkpoint: dict[str, Any], path: Path, group: Optional[dist.ProcessGroup] = None) -> None:
     """Every rank calls this with its own ``checkpoint`` (as built by ``lightning_module_state_dict`` and
-    ``optimizer_state`` in sharded mode)."""
+    ``optimizer_state`` in sharded mode). A failure anywhere, a dead rank included, raises on every rank
+    that is still alive, within the process group timeout."""
+    try:
+        _save_sharded(checkpoint, path, group)
+    except Exception as err:
+        raise OSError(f"lightning_shard: saving the checkpoint {str(path)!r} failed ({err}); any previous"
+                      " checkpoint at that path is intact.") from err
+
+
+def _save_sharded(checkpoint: dict[str, Any], path: Path, group: Optional[dist.ProcessGroup]) -> None:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     partial = files.partial_path(path)
-    error: Optional[BaseException] = None
-    if rank == 0:
-        try:
-            files.begin(path)
-        except OSError as err:
-            error = err
-    _agree_or_raise(error, path, group)
+    _all_succeed(lambda: files.begin(path) if rank == 0 else None, group)
 
     items = {sharded.MODEL_PREFIX + k: v for k, v in checkpoint.pop("state_dict").items()}
     optimizer_meta = []
@@ -60,32 +63,31 @@ def save_sharded(checkpoint: dict[str, Any], path: Path, group: Optional[dist.Pr
         items.update({sharded.optimizer_prefix(i) + k: v for k, v in state["tensors"].items()})
         optimizer_meta.append({k: v for k, v in state.items() if k != "tensors"})
     checkpoint["optimizer_states"] = optimizer_meta
-    try:
-        sharded.save(items, partial)  # collective: a failure on any rank raises on every rank
-        mine = files.checksums(partial, sharded.rank_files(partial, rank))
-        error = None
-    except BaseException as err:  # noqa: BLE001 - reported below, on every rank
-        mine, error = {}, err
+    sharded.save(items, partial)  # collective: a failure on any rank raises on every rank
+    mine = _all_succeed(lambda: files.checksums(partial, sharded.rank_files(partial, rank)), group)
     everyone: list = [None] * world
-    dist.all_gather_object(everyone, (mine, repr(error) if error else None), group=group)
-    failed = [f"rank {r}: {e}" for r, (_, e) in enumerate(everyone) if e]
-    if not failed and rank == 0:
-        try:
+    dist.all_gather_object(everyone, mine, group=group)
+
+    def write_meta_and_commit() -> None:
+        if rank == 0:
             torch.save(checkpoint, partial / files.META)
-            files.finish(path, {k: v for m, _ in everyone for k, v in m.items()}, world)
-        except BaseException as err:  # noqa: BLE001
-            failed, error = [f"rank 0: {err!r}"], err
-    _agree_or_raise(error if failed else None, path, group, failed)
+            files.finish(path, {k: v for theirs in everyone for k, v in theirs.items()}, world)
+
+    _all_succeed(write_meta_and_commit, group)
 
 
-def _agree_or_raise(error: Optional[BaseException], path: Path, group: Optional[dist.ProcessGroup],
-                    failed: Optional[list[str]] = None) -> None:
+def _all_succeed(step: Callable[[], Any], group: Optional[dist.ProcessGroup]) -> Any:
+    """Run ``step`` here; if it failed on any rank, raise on every rank (naming each failure)."""
+    try:
+        result, error = step(), None
+    except Exception as err:  # noqa: BLE001 - shared below, then raised
+        result, error = None, f"rank {dist.get_rank(group)}: {err!r}"
     everyone: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, failed or ([repr(error)] if error else []), group=group)
-    problems = sorted({p for rank_problems in everyone for p in rank_problems})
-    if problems:
-        raise OSError(f"lightning_shard: saving the checkpoint {str(path)!r} failed ({'; '.join(problems)}); any"
-                      " previous checkpoint at that path is intact.") from error
+    dist.all_gather_object(everyone, error, group=group)
+    failures = [e for e in everyone if e]
+    if failures:
+        raise OSError("; ".join(failures))
+    return result
 
 
 def save_full(checkpoint: dict[str, Any], path: Path, io: CheckpointIO, storage_options: Optional[Any] = None) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -32,7 +33,9 @@ def consolidate(directory: Union[str, Path], out: Optional[Union[str, Path]] = N
     metadata = read_metadata(directory)
     tensors = {key: torch.empty(md.size, dtype=md.properties.dtype)
                for key, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
-    dcp.load(tensors, storage_reader=files.SafeReader(str(directory)), no_dist=True)
+    with warnings.catch_warnings():  # DCP notes it runs without a process group: that is the intent
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(tensors, storage_reader=files.SafeReader(str(directory)), no_dist=True)
 
     checkpoint = files.load_weights(directory / files.META, "checkpoint metadata")
     checkpoint["state_dict"] = {k[len(MODEL_PREFIX):]: v for k, v in tensors.items() if k.startswith(MODEL_PREFIX)}

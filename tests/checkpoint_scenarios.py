@@ -3,6 +3,8 @@ ranks under another, and compare the full model and optimizer state with what wa
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
 import torch
@@ -80,3 +82,32 @@ def load_expecting_error(rank, world, name, policy, path):
     except Exception as err:  # noqa: BLE001 - the test inspects it
         return f"{type(err).__name__}: {err}"
     return None
+
+
+def save_twice_rank1_dies_in_the_second(rank, world, path):
+    """A complete save, one more step, then a save during which rank 1 is killed half-way through its file."""
+    model_cls, model, runtime, opt = _build("gpt", 0, {"units": ["Block"]})
+    _steps(model, runtime, opt, model_cls, _batches(model_cls, 1, 2), rank, world)
+    save_sharded({"state_dict": sharded.model_state(runtime), "optimizer_states": []}, Path(path))
+    first = full_state_dict(runtime, rank0_only=False)
+    _steps(model, runtime, opt, model_cls, _batches(model_cls, 2, 1), rank, world)
+    if rank == 1:
+        def dying_save(items, directory):
+            with open(Path(directory) / "__1_0.distcp", "wb") as f:
+                f.write(b"\0" * 4096)
+                f.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        sharded.save = dying_save
+    try:
+        save_sharded({"state_dict": sharded.model_state(runtime), "optimizer_states": []}, Path(path))
+    except Exception as err:  # noqa: BLE001 - the test inspects it
+        return {"first": first, "error": f"{type(err).__name__}: {err}"}
+    return {"first": first, "error": None}
+
+
+def load_model_only(rank, world, path):
+    model_cls, model, runtime, opt = _build("gpt", 99, {"unit_size": 700})
+    source = open_checkpoint(Path(path))["state_dict"]
+    sharded.load_model_state(runtime, source.directory, source.metadata)
+    return full_state_dict(runtime, rank0_only=False)

@@ -17,6 +17,7 @@ import lightning as L
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lightning_shard import ShardStrategy  # noqa: E402
+from lightning_shard.state_dict import full_state_dict  # noqa: E402
 from tests.models import TinyGPT  # noqa: E402
 
 
@@ -108,7 +109,7 @@ def run(strategy, args, max_epochs: int, ckpt_dir: str, resume: str | None = Non
     val = trainer.validate(module, loader(2), verbose=False)[0]
     test = trainer.test(module, loader(3), verbose=False)[0]
     predictions = torch.cat(trainer.predict(module, loader(3)))
-    state = trainer.strategy.lightning_module_state_dict() if isinstance(strategy, ShardStrategy) else module.state_dict()
+    state = (full_state_dict(trainer.strategy.runtime) if isinstance(strategy, ShardStrategy) else module.state_dict())
     return {"losses": module.step_losses, "state": state, "val": val, "test": test, "predict": predictions,
             "comm": trainer.strategy.comm_stats if isinstance(strategy, ShardStrategy) else {}}
 
@@ -127,16 +128,17 @@ def main() -> None:
     parser.add_argument("--resume-from", default=None, help="resume the shard runs from this checkpoint")
     parser.add_argument("--crash-at-step", type=int, default=None, help="kill -9 rank 1 at this step")
     parser.add_argument("--skip-ddp", action="store_true")
+    parser.add_argument("--state-dict-type", default="sharded", choices=["sharded", "full"])
     args = parser.parse_args()
 
     results = {} if args.skip_ddp else {"ddp": run("ddp", args, args.epochs, os.path.join(args.out, "ddp"))}
     for sharding in args.sharding:
         ckpt_dir = os.path.join(args.out, sharding)
-        results[sharding] = run(ShardStrategy(sharding=sharding), args, args.epochs, ckpt_dir,
+        results[sharding] = run(ShardStrategy(sharding=sharding, state_dict_type=args.state_dict_type), args, args.epochs, ckpt_dir,
                                 resume=args.resume_from, crash_at=args.crash_at_step)
         if args.resume:
-            first = run(ShardStrategy(sharding=sharding), args, 1, ckpt_dir + "_resume")
-            resumed = run(ShardStrategy(sharding=sharding), args, args.epochs, ckpt_dir + "_resume",
+            first = run(ShardStrategy(sharding=sharding, state_dict_type=args.state_dict_type), args, 1, ckpt_dir + "_resume")
+            resumed = run(ShardStrategy(sharding=sharding, state_dict_type=args.state_dict_type), args, args.epochs, ckpt_dir + "_resume",
                           resume=os.path.join(ckpt_dir + "_resume", "last.ckpt"))
             results[f"{sharding}_resumed"] = {**resumed, "losses": first["losses"] + resumed["losses"]}
     if int(os.environ.get("LOCAL_RANK", 0)) == 0:

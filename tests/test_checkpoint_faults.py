@@ -23,7 +23,7 @@ class FailingIO(TorchCheckpointIO):
 
 def test_failed_save_keeps_the_previous_checkpoint_and_the_next_save_works(tmp_path):
     path = tmp_path / "last.ckpt"
-    strategy = ShardStrategy()
+    strategy = ShardStrategy(state_dict_type="full")
     strategy.save_checkpoint({"w": torch.ones(3)}, path)
     strategy.checkpoint_io = FailingIO()
     with pytest.raises(OSError, match=r"saving the checkpoint .*last.ckpt.* failed \(No space left on device\).*intact"):
@@ -52,7 +52,7 @@ class SlowIO(TorchCheckpointIO):  # a slow filesystem: the kill lands while the 
             time.sleep(60)
             f.write(data[len(data) // 2 :])
 
-strategy = ShardStrategy()
+strategy = ShardStrategy(state_dict_type="full")
 strategy.checkpoint_io = SlowIO()
 strategy.save_checkpoint({"w": torch.zeros(1000)}, sys.argv[1])
 """
@@ -60,7 +60,7 @@ strategy.save_checkpoint({"w": torch.zeros(1000)}, sys.argv[1])
 
 def test_save_killed_half_way_leaves_the_previous_checkpoint(tmp_path):
     path = tmp_path / "last.ckpt"
-    ShardStrategy().save_checkpoint({"w": torch.ones(3)}, path)
+    ShardStrategy(state_dict_type="full").save_checkpoint({"w": torch.ones(3)}, path)
     proc = subprocess.Popen([sys.executable, "-c", SLOW_WRITER, str(path)], stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "half written"
     proc.send_signal(signal.SIGKILL)  # kill -9 in the middle of writing

@@ -114,3 +114,24 @@ def test_checkpoint_metadata_is_never_unpickled_freely(tmp_path):
         SafeReader(str(path)).read_metadata()
     assert not (tmp_path / "pwned").exists()
     assert Odd  # the model the checkpoint belongs to
+
+
+def test_a_save_killed_half_way_leaves_the_previous_checkpoint(tmp_path):
+    path = tmp_path / "last.ckpt"
+    result = run_world(scenarios.save_twice_rank1_dies_in_the_second, 2, str(path), may_die=(1,), pg_timeout=8)[0]
+    assert result["error"] is not None and "saving the checkpoint" in result["error"]  # rank 0: an error, no hang
+    assert (tmp_path / "last.ckpt.partial").is_dir()  # the interrupted save, never under the checkpoint's name
+    loaded = run_world(scenarios.load_model_only, 2, str(path))[0]
+    _assert_same_state(result["first"], loaded, "previous checkpoint")
+    with pytest.raises(AssertionError, match="not a complete lightning_shard checkpoint"):
+        run_world(scenarios.load_model_only, 1, str(tmp_path / "last.ckpt.partial"))
+
+
+def test_a_kill_between_the_two_renames_still_finds_a_complete_checkpoint(tmp_path):
+    from lightning_shard import checkpoint_files as files
+
+    path = tmp_path / "last.ckpt"
+    run_world(scenarios.save_then_continue, 1, "odd", {}, str(path))
+    os.rename(path, files.previous_path(path))  # first rename done, second never happened
+    assert files.resolve(path) == files.previous_path(path)
+    run_world(scenarios.load_then_continue, 1, "odd", {}, str(path))

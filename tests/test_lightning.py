@@ -52,8 +52,14 @@ def test_fit_accumulate_norm_clip_resume_match_ddp(tmp_path):
     gathered = [float(r["shard/all_gather_bytes"]) for r in rows if r.get("shard/all_gather_bytes")]
     assert len(gathered) >= 12 and min(gathered) > 0
     assert results["full"]["comm"]["reduce_scatter_bytes"] > 0
-    # the full checkpoint loads into the plain (unsharded) module with weights_only=True
-    ckpt = torch.load(tmp_path / "full" / "last.ckpt", weights_only=True)
+    # the sharded checkpoint (a directory, one file per rank) consolidates into one the plain module loads
+    from lightning_shard.consolidate import consolidate
+
+    assert sorted(p.name for p in (tmp_path / "full" / "last.ckpt").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert_loads_into_plain_module(consolidate(tmp_path / "full" / "last.ckpt"))
+
+
+def assert_loads_into_plain_module(ckpt: dict) -> None:
     sys.path.insert(0, os.path.dirname(APP))
     from tests.lightning_app import LitGPT
 
@@ -66,10 +72,14 @@ def test_three_ranks_value_clipping_matches_ddp(tmp_path):
     assert_matches_ddp(results, "full")
 
 
-def test_manual_optimization_matches_ddp(tmp_path):
-    results = run_app(tmp_path, "--manual", "--sharding", "full", "grad_op")
-    assert_matches_ddp(results, "full")
-    assert_matches_ddp(results, "grad_op")
+def test_manual_optimization_and_full_checkpoints(tmp_path):
+    results = run_app(tmp_path, "--manual", "--sharding", "full", "grad_op", "--state-dict-type", "full", "--resume")
+    for sharding in ("full", "grad_op"):
+        assert_matches_ddp(results, sharding)
+        resumed = results[f"{sharding}_resumed"]["losses"]
+        torch.testing.assert_close(torch.tensor(resumed), torch.tensor(results[sharding]["losses"]), rtol=1e-6, atol=1e-7)
+    # one ordinary file, loadable into the plain (unsharded) module with weights_only=True
+    assert_loads_into_plain_module(torch.load(tmp_path / "full" / "last.ckpt", weights_only=True))
 
 
 def test_world_size_one_matches_ddp(tmp_path):
