@@ -57,7 +57,8 @@ class Materializer:
         meta = [n for n, t in (*module._parameters.items(), *module._buffers.items()) if t is not None and t.is_meta]
         if not meta:
             return
-        reset = getattr(module, "reset_parameters", None)
+        # torch's MultiheadAttention spells it `_reset_parameters`
+        reset = getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
         if not callable(reset):
             raise ValueError(
                 f"Cannot materialise module {self.names.get(id(module))!r} ({type(module).__name__}) from the meta"
