@@ -10,6 +10,7 @@ from torch import Tensor
 
 from lightning_shard import collectives
 from lightning_shard.flat_shard import FlatShard
+from lightning_shard.pretrained import TensorSource, load_into
 from lightning_shard.runtime import ShardRuntime
 
 
@@ -41,30 +42,6 @@ def full_state_dict(runtime: ShardRuntime, rank0_only: bool = True) -> dict[str,
     return {k: v.detach().cpu() for k, v in state.items()} if keep else {}
 
 
-@torch.no_grad()
 def load_full_state_dict(runtime: ShardRuntime, state: Mapping[str, Tensor], strict: bool = True) -> None:
     """Load an unsharded state dict: each rank copies only the slices its shards own."""
-    expected = set(runtime.root.state_dict().keys())
-    missing = sorted(expected - set(state))
-    unexpected = sorted(set(state) - expected)
-    if strict and (missing or unexpected):
-        raise KeyError(f"State dict does not match the model: missing keys {missing}, unexpected keys {unexpected}.")
-    for unit in runtime.units:
-        storage = unit.storage
-        for slot, shard_param in zip(storage.slots, storage.shard_params):
-            name = next((n for n in slot.names if n in state), None)
-            if name is None:
-                continue
-            value = state[name]
-            if value.shape != slot.shape:
-                raise ValueError(f"Shape mismatch for {name!r}: checkpoint has {tuple(value.shape)}, model {tuple(slot.shape)}.")
-            lo, hi = storage.shard_range(slot)
-            start = storage.shard_start + lo - slot.offset
-            shard_param.copy_(value.reshape(-1)[start : start + hi - lo])
-        if unit.is_gathered:  # keep a gathered copy consistent with the new shards
-            unit.is_gathered = False
-            runtime.gather(unit)
-    param_names = {n for unit in runtime.units for s in unit.storage.slots for n in s.names}
-    buffers = {k: v for k, v in state.items() if k not in param_names}
-    runtime.root.load_state_dict(buffers, strict=False)
-
+    load_into(runtime, TensorSource(state), strict=strict)

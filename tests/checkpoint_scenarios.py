@@ -111,3 +111,12 @@ def load_model_only(rank, world, path):
     source = open_checkpoint(Path(path))["state_dict"]
     sharded.load_model_state(runtime, source.directory, source.metadata)
     return full_state_dict(runtime, rank0_only=False)
+
+
+def load_pretrained_file(rank, world, path, policy):
+    """A differently seeded model, sharded, then loaded from a full weights file."""
+    from lightning_shard.pretrained import load_pretrained
+
+    model_cls, model, runtime, opt = _build("gpt", 99, policy)
+    result = load_pretrained(model, path)
+    return {"model": full_state_dict(runtime, rank0_only=False), "result": result}

@@ -135,3 +135,27 @@ def test_a_kill_between_the_two_renames_still_finds_a_complete_checkpoint(tmp_pa
     os.rename(path, files.previous_path(path))  # first rename done, second never happened
     assert files.resolve(path) == files.previous_path(path)
     run_world(scenarios.load_then_continue, 1, "odd", {}, str(path))
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+def test_pretrained_weights_load_into_a_sharded_model_slice_by_slice(tmp_path, suffix):
+    torch.manual_seed(5)
+    reference = TinyGPT()
+    path = tmp_path / f"weights{suffix}"
+    if suffix == ".safetensors":
+        from safetensors.torch import save_file
+
+        state = {k: v for k, v in reference.state_dict().items() if k != "head.weight"}  # tied: stored once
+        save_file({k: v.contiguous() for k, v in state.items()}, str(path))
+    else:
+        torch.save(reference.state_dict(), path)
+    loaded = run_world(scenarios.load_pretrained_file, 3, str(path), PACKED)[0]
+    assert loaded["result"] == ([], [])
+    _assert_same_state(reference.state_dict(), loaded["model"], "pretrained")
+
+
+def test_pretrained_weights_of_another_model_are_refused_with_names(tmp_path):
+    path = tmp_path / "odd.pt"
+    torch.save(Odd().state_dict(), path)
+    with pytest.raises(AssertionError, match=r"do not fit the model: missing \['blocks.0.ln1.weight'"):
+        run_world(scenarios.load_pretrained_file, 2, str(path), PACKED)
