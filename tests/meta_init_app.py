@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
-import resource
 import sys
 
 import torch
@@ -18,6 +17,7 @@ import lightning as L
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lightning_shard import ShardStrategy  # noqa: E402
+from lightning_shard.bench_checkpoint import PeakRSS  # noqa: E402
 from lightning_shard.state_dict import full_state_dict  # noqa: E402
 
 WIDTH, HIDDEN, DEPTH = 1024, 2048, 24  # 100.8M parameters: 403 MB in fp32
@@ -34,10 +34,6 @@ class Block(nn.Module):
         return x + self.down(torch.relu(self.up(self.norm(x))))
 
 
-def rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # peak resident set, Linux reports KiB
-
-
 class BigModel(L.LightningModule):
     def __init__(self, build_now: bool = False) -> None:
         super().__init__()
@@ -49,7 +45,8 @@ class BigModel(L.LightningModule):
             self.net = nn.Sequential(*(Block() for _ in range(DEPTH)))
 
     def on_fit_start(self) -> None:  # the strategy has sharded the model
-        self.report["peak_setup_mb"] = rss_mb() - self.report["before_mb"]
+        self.peak.__exit__(None, None, None)  # sampled resident memory, from just before fit() to now
+        self.report["peak_setup_mb"] = self.peak.growth_mb
         self.report["meta_left"] = [n for n, p in self.named_parameters() if p.is_meta]
         state = full_state_dict(self.trainer.strategy.runtime)  # every rank gathers; rank 0 keeps it
         self.report["fingerprint"] = {k: hashlib.sha256(v.numpy().tobytes()).hexdigest() for k, v in state.items()}
@@ -81,7 +78,7 @@ def main() -> None:
         assert all(p.is_meta for p in model.parameters())
     else:
         model = BigModel()
-    model.report["before_mb"] = rss_mb()
+    model.peak = PeakRSS().__enter__()
     inputs = torch.randn(4 * args.devices, 4, WIDTH, generator=torch.Generator().manual_seed(1))
     data = DataLoader(TensorDataset(inputs), batch_size=4)
     trainer.fit(model, data)
