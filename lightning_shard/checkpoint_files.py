@@ -177,11 +177,18 @@ def _rank_world(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
     return 0, 1
 
 
+def from_every_rank(value: Any, group: Optional[dist.ProcessGroup] = None) -> list[Any]:
+    """Every rank's ``value``, in rank order (just ``[value]`` without a process group)."""
+    _, world = _rank_world(group)
+    if world == 1:
+        return [value]
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, value, group=group)
+    return everyone
+
+
 def _raise_if_any(problems: list[str], where: Path, group: Optional[dist.ProcessGroup]) -> None:
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        everyone: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, problems, group=group)
-        problems = sorted(p for rank_problems in everyone for p in rank_problems)
+    problems = sorted(p for rank_problems in from_every_rank(problems, group) for p in rank_problems)
     if problems:
         raise CheckpointError(f"Checkpoint {str(where)!r} is damaged: " + "; ".join(problems))
 

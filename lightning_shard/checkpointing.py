@@ -64,9 +64,7 @@ def _save_sharded(checkpoint: dict[str, Any], path: Path, group: Optional[dist.P
         optimizer_meta.append({k: v for k, v in state.items() if k != "tensors"})
     checkpoint["optimizer_states"] = optimizer_meta
     sharded.save(items, partial)  # collective: a failure on any rank raises on every rank
-    mine = _all_succeed(lambda: files.checksums(partial, sharded.rank_files(partial, rank)), group)
-    everyone: list = [None] * world
-    dist.all_gather_object(everyone, mine, group=group)
+    everyone = _all_succeed(lambda: files.checksums(partial, sharded.rank_files(partial, rank)), group)
 
     def write_meta_and_commit() -> None:
         if rank == 0:
@@ -76,18 +74,18 @@ def _save_sharded(checkpoint: dict[str, Any], path: Path, group: Optional[dist.P
     _all_succeed(write_meta_and_commit, group)
 
 
-def _all_succeed(step: Callable[[], Any], group: Optional[dist.ProcessGroup]) -> Any:
-    """Run ``step`` here; if it failed on any rank, raise on every rank (naming each failure)."""
+def _all_succeed(step: Callable[[], Any], group: Optional[dist.ProcessGroup]) -> list[Any]:
+    """Run ``step`` on every rank and return every rank's result; if it failed anywhere, raise on every
+    rank, naming each failure."""
     try:
-        result, error = step(), None
+        outcome = (step(), None)
     except Exception as err:  # noqa: BLE001 - shared below, then raised
-        result, error = None, f"rank {dist.get_rank(group)}: {err!r}"
-    everyone: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, error, group=group)
-    failures = [e for e in everyone if e]
+        outcome = (None, f"rank {dist.get_rank(group)}: {err!r}")
+    everyone = files.from_every_rank(outcome, group)
+    failures = [error for _, error in everyone if error]
     if failures:
         raise OSError("; ".join(failures))
-    return result
+    return [result for result, _ in everyone]
 
 
 def save_full(checkpoint: dict[str, Any], path: Path, io: CheckpointIO, storage_options: Optional[Any] = None) -> None:

@@ -79,12 +79,17 @@ class FlatShard:
         self._shard_grad_views: dict[int, Tensor] = {}
 
     # -- layout -------------------------------------------------------------------------------------
+    def param_range(self, slot: ParamSlot, rank: int) -> tuple[int, int]:
+        """The part of ``slot`` held by ``rank``, as offsets into the flattened parameter (may be empty)."""
+        start = rank * self.shard_numel
+        lo = min(max(slot.offset, start), slot.offset + slot.numel)
+        hi = max(lo, min(slot.offset + slot.numel, start + self.shard_numel))
+        return lo - slot.offset, hi - slot.offset
+
     def shard_range(self, slot: ParamSlot) -> tuple[int, int]:
         """The part of ``slot`` held by this rank, as offsets into the local shard (may be empty)."""
-        lo = max(slot.offset, self.shard_start)
-        hi = min(slot.offset + slot.numel, self.shard_start + self.shard_numel)
-        lo -= self.shard_start
-        return lo, max(lo, hi - self.shard_start)
+        lo, hi = self.param_range(slot, self.rank)
+        return lo + slot.offset - self.shard_start, hi + slot.offset - self.shard_start
 
     def _make_shard_param(self, slot: ParamSlot) -> nn.Parameter:
         lo, hi = self.shard_range(slot)

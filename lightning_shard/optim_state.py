@@ -104,12 +104,11 @@ def load_full_optimizer_state_dict(runtime: ShardRuntime, optimizer: Optimizer, 
             continue
         storage = runtime.units[u].storage
         slot = storage.slots[s]
-        lo, hi = storage.shard_range(slot)
-        start = storage.shard_start + lo - slot.offset
+        start, end = storage.param_range(slot, storage.rank)
         local = {}
         for key, value in saved.items():
             if isinstance(value, Tensor) and value.shape == slot.shape and value.dim() > 0:
-                value = value.reshape(-1)[start : start + hi - lo].clone()  # not a view of a mapped file
+                value = value.reshape(-1)[start:end].clone()  # not a view of a mapped file
             local[key] = value
         state[i] = local
     optimizer.load_state_dict({"state": state, "param_groups": full["param_groups"]})

@@ -90,9 +90,9 @@ def load_into(runtime: ShardRuntime, source: Union[TensorSource, SafetensorsSour
     available = source.names()
     slots = [(unit, slot, param) for unit in runtime.units
              for slot, param in zip(unit.storage.slots, unit.storage.shard_params)]
-    buffers = {k: v for k, v in runtime.root.state_dict().items()
-               if k.startswith(prefix) and not any(k in slot.names for _, slot, _ in slots)}
-    wanted = {name for _, slot, _ in slots for name in slot.names if name.startswith(prefix)} | set(buffers)
+    param_names = {name for _, slot, _ in slots for name in slot.names}
+    buffers = {k: v for k, v in runtime.root.state_dict().items() if k.startswith(prefix) and k not in param_names}
+    wanted = {name for name in param_names if name.startswith(prefix)} | set(buffers)
     unexpected = sorted(n for n in available if prefix + n not in wanted)
     missing = []
     for _, slot, _ in slots:
@@ -110,16 +110,11 @@ def load_into(runtime: ShardRuntime, source: Union[TensorSource, SafetensorsSour
         if source.shape(name) != slot.shape:
             raise CheckpointError(f"Shape mismatch for {prefix + name!r}: weights {tuple(source.shape(name))},"
                                   f" model {tuple(slot.shape)}.")
-        lo, hi = unit.storage.shard_range(slot)
-        start = unit.storage.shard_start + lo - slot.offset
-        param.copy_(source.read(name, start, start + hi - lo))
+        param.copy_(source.read(name, *unit.storage.param_range(slot, unit.storage.rank)))
     for name, buffer in buffers.items():
         if name[len(prefix):] in available:
             buffer.copy_(source.whole(name[len(prefix):]))
-    for unit in runtime.units:  # keep a gathered copy consistent with the new shards
-        if unit.is_gathered:
-            unit.is_gathered = False
-            runtime.gather(unit)
+    runtime.refresh_gathered()
     return missing, unexpected
 
 

@@ -205,6 +205,10 @@ class ShardRuntime:
         self.last_step_stats = self.stats.as_dict()
         self.stats.reset()
         self.steps_done += 1
+        self.refresh_gathered()
+
+    def refresh_gathered(self) -> None:
+        """Re-gather the units held gathered, after their shards changed (optimizer step, loading)."""
         for unit in self.units:
             if unit.is_gathered and not unit.storage.aliases_shard:
                 unit.is_gathered = False

@@ -46,17 +46,6 @@ def _quiet() -> Iterator[None]:
         yield
 
 
-def _ranges(storage: FlatShard, slot: ParamSlot) -> list[tuple[int, int]]:
-    """Per rank, the flat range of ``slot`` that rank owns (as offsets into the parameter)."""
-    out = []
-    for r in range(storage.world_size):
-        start = r * storage.shard_numel
-        lo = min(max(slot.offset, start), slot.offset + slot.numel)
-        hi = max(lo, min(slot.offset + slot.numel, start + storage.shard_numel))
-        out.append((lo - slot.offset, hi - slot.offset))
-    return out
-
-
 def _slots(runtime: ShardRuntime) -> Iterator[tuple[FlatShard, ParamSlot, Tensor]]:
     for unit in runtime.units:
         for slot, param in zip(unit.storage.slots, unit.storage.shard_params):
@@ -64,7 +53,8 @@ def _slots(runtime: ShardRuntime) -> Iterator[tuple[FlatShard, ParamSlot, Tensor
 
 
 def _view(storage: FlatShard, slot: ParamSlot, local: Tensor) -> Any:
-    return sharded_view(slot.shape, _ranges(storage, slot), storage.rank, local)
+    ranges = [storage.param_range(slot, r) for r in range(storage.world_size)]
+    return sharded_view(slot.shape, ranges, storage.rank, local)
 
 
 def _buffers(runtime: ShardRuntime) -> dict[str, Tensor]:
@@ -118,10 +108,7 @@ def load_model_state(runtime: ShardRuntime, directory: Path, metadata: Metadata,
     items = {MODEL_PREFIX + k: v for k, v in model_state(runtime).items()}
     items = {k: v for k, v in items.items() if k in metadata.state_dict_metadata}
     _load(items, directory)
-    for unit in runtime.units:  # keep a gathered copy consistent with the new shards
-        if unit.is_gathered:
-            unit.is_gathered = False
-            runtime.gather(unit)
+    runtime.refresh_gathered()
 
 
 # -- optimizer --------------------------------------------------------------------------------------
