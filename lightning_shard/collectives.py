@@ -30,6 +30,7 @@ class CommStats:
     all_reduce_bytes: int = 0
     collectives: int = 0
     exposed_seconds: float = 0.0  # time the compute path spent blocked in wait()
+    skipped_gathers: int = 0  # backward all-gathers found unnecessary (see ShardRuntime) and not issued
 
     def as_dict(self) -> dict[str, float]:
         return dict(self.__dict__)

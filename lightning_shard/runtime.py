@@ -15,6 +15,12 @@ the start of a step until its backward has finished, since backward begins with 
 
 Note: every rank must run the same units in the same order, as with any FSDP: collectives are issued
 from hooks, and their order is the order in which the hooks fire.
+
+Note: a unit's parameters are needed in backward only if autograd saved them (or a view of them) in
+forward. A saved-tensor hook active during each step's forward records exactly which gathered buffers were
+saved; a unit whose buffer was not (e.g. an embedding fed token ids: its backward needs only the indices)
+is not all-gathered again in backward, and its gradient is still reduce-scattered. Recomputation under
+activation checkpointing calls the unit's modules again, which gathers them like any forward.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ class Unit:
         self.is_gathered = False  # gathered data valid and registered on the members
         self.inflight: Optional[Pending] = None  # a prefetch all-gather not yet waited for
         self.backward_pending = 0  # forward calls whose post-backward has not fired yet
+        self.saved_for_backward = True  # autograd saved its gathered parameters in this step's forward
 
     def __repr__(self) -> str:
         return f"Unit({self.name!r}, numel={self.storage.padded_numel})"
@@ -71,6 +78,7 @@ class ShardRuntime:
         reduce_dtype: Optional[torch.dtype] = None,
         prefetch: int = 1,
         nonfinite: Optional[str] = None,
+        elide_backward_gathers: bool = True,
     ) -> None:
         self.root = root
         self.units = units  # root unit last
@@ -97,6 +105,9 @@ class ShardRuntime:
         self._final_callback_queued = False
         self._pending_reductions: list[tuple[Unit, Pending, list[int]]] = []
         self._handles: list[Any] = []
+        self.elide_backward_gathers = elide_backward_gathers
+        self._gathered_storage: dict[int, Unit] = {}  # data pointer of a gathered buffer -> its unit
+        self._saved_hooks: Optional[Any] = None
         self._install_hooks()
 
     # -- gather / free ------------------------------------------------------------------------------
@@ -123,6 +134,8 @@ class ShardRuntime:
             unit.inflight = None
         unit.storage.use_gathered()
         unit.is_gathered = True
+        if not unit.storage.aliases_shard:
+            self._gathered_storage[unit.storage.gathered.untyped_storage().data_ptr()] = unit
 
     def reshard(self, unit: Unit) -> None:
         if unit.inflight is not None:  # never free a buffer a collective is still writing
@@ -131,11 +144,12 @@ class ShardRuntime:
         if unit.is_gathered:
             unit.storage.use_shards()
             unit.is_gathered = False
+            self._gathered_storage.pop(unit.storage.gathered.untyped_storage().data_ptr(), None)
         if unit.storage.is_allocated and not unit.storage.aliases_shard:
             self.gathered_bytes -= unit.storage.gathered_nbytes
             unit.storage.free()
 
-    def _prefetch_after(self, unit: Optional[Unit], order: list[Unit], cursor: int) -> int:
+    def _prefetch_after(self, unit: Optional[Unit], order: list[Unit], cursor: int, backward: bool = False) -> int:
         """Launch the gathers of the ``prefetch`` units that follow ``unit`` in ``order``; returns the new cursor.
 
         ``unit=None`` means the start of ``order``. A unit not found (the order changed) prefetches nothing.
@@ -148,7 +162,8 @@ class ShardRuntime:
             except ValueError:
                 return cursor
         for upcoming in order[position + 1 : position + 1 + self.prefetch]:
-            self._launch_gather(upcoming)
+            if not backward or self._needs_backward_gather(upcoming):
+                self._launch_gather(upcoming)
         return position + 1
 
     def _trace(self, op: str, unit: Unit) -> None:
@@ -176,16 +191,35 @@ class ShardRuntime:
                 self.gather(self.root_unit)
             self._current_order = []
             self._forward_cursor = self._prefetch_after(None, self._order, 0)
+            if self.elide_backward_gathers:
+                for unit in self.units:
+                    unit.saved_for_backward = False
+                self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+                self._saved_hooks.__enter__()
         self._depth += 1
 
     def _exit_step(self, output: Any) -> None:
         self._depth -= 1
         if self._depth > 0:
             return
+        if self._saved_hooks is not None:
+            self._saved_hooks.__exit__(None, None, None)
+            self._saved_hooks = None
         self._record_order()
         if not self._final_callback_queued and not _expects_backward(output):
             for unit in self.units:
                 self.reshard(unit)
+
+    def _pack(self, tensor: Tensor) -> Tensor:
+        """Saved-tensor hook: note the unit whose gathered buffer autograd keeps for backward."""
+        unit = self._gathered_storage.get(tensor.untyped_storage().data_ptr()) if tensor.device.type != "meta" else None
+        if unit is not None:
+            unit.saved_for_backward = True
+        # a detached alias, not the tensor itself: an op's own output saved as-is would form a reference cycle
+        return tensor.detach() if not tensor.requires_grad or tensor.grad_fn is not None else tensor
+
+    def _needs_backward_gather(self, unit: Unit) -> bool:
+        return unit.reshard_after_forward and (unit.saved_for_backward or not self.elide_backward_gathers)
 
     def _record_order(self) -> None:
         current, self._current_order = self._current_order, []
@@ -257,9 +291,10 @@ class ShardRuntime:
         self._handles.clear()
 
     def _pre_forward(self, unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        self._current_order.append(unit)
         self.gather(unit)
-        self._forward_cursor = self._prefetch_after(unit, self._order, self._forward_cursor)
+        if not self._final_callback_queued:  # not a recomputation inside backward
+            self._current_order.append(unit)
+            self._forward_cursor = self._prefetch_after(unit, self._order, self._forward_cursor)
         if not torch.is_grad_enabled():
             return args, kwargs
         flat, spec = tree_flatten((args, kwargs))
@@ -275,7 +310,8 @@ class ShardRuntime:
     def _post_forward(self, unit: Unit, module: nn.Module, output: Any) -> Any:
         grad_enabled = torch.is_grad_enabled()
         # backward starts with the last unit: freeing it now would only mean gathering it again at once
-        keep_for_backward = grad_enabled and bool(self._order) and unit is self._order[-1]
+        keep_for_backward = (grad_enabled and bool(self._order) and unit is self._order[-1]
+                             and (unit.saved_for_backward or not self.elide_backward_gathers))
         if module is unit.members[-1] and not keep_for_backward and (unit.reshard_after_forward or not grad_enabled):
             self.reshard(unit)
         if grad_enabled:
@@ -286,10 +322,15 @@ class ShardRuntime:
 
     def _pre_backward(self, unit: Unit) -> None:
         self._queue_final_callback()
-        self.gather(unit)
+        if unit.reshard_after_forward and not self._needs_backward_gather(unit) and not unit.is_gathered:
+            if unit.inflight is None:
+                self.stats.skipped_gathers += 1
+                self._trace("skip_gather", unit)
+        else:
+            self.gather(unit)
         if unit.reshard_after_forward:  # only then is there anything to gather ahead in backward
             reverse = self._order[::-1]
-            self._backward_cursor = self._prefetch_after(unit, reverse, self._backward_cursor)
+            self._backward_cursor = self._prefetch_after(unit, reverse, self._backward_cursor, backward=True)
 
     def _on_grad_accumulated(self, _param: Tensor) -> None:
         self._queue_final_callback()
@@ -378,6 +419,10 @@ class ShardRuntime:
         for g in grads:
             g.mul_(clip_coef.to(g.dtype))
         return total_norm
+
+
+def _unpack(tensor: Tensor) -> Tensor:
+    return tensor
 
 
 def _expects_backward(output: Any) -> bool:

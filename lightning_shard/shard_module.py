@@ -35,6 +35,7 @@ def shard_module(
     prefetch: int = 1,
     nonfinite: Optional[str] = None,
     device: Optional[torch.device] = None,
+    elide_backward_gathers: bool = True,
 ) -> ShardRuntime:
     """Shard ``module``'s parameters across ``group`` and install the hooks that gather them on use.
 
@@ -86,7 +87,7 @@ def shard_module(
             dist.broadcast(buffer, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
 
     runtime = ShardRuntime(module, built, root_unit, group, reduce_dtype=reduce_dtype, prefetch=prefetch,
-                           nonfinite=nonfinite)
+                           nonfinite=nonfinite, elide_backward_gathers=elide_backward_gathers)
     module._shard_runtime = runtime
     return runtime
 

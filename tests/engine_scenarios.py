@@ -23,6 +23,9 @@ SCENARIOS = {
     "frozen": (models.FrozenMix, {}),
     "misc": (models.Misc, {"units": ["Twice", "Rare", "BatchNorm1d"]}),
     "reorder": (models.Reorder, {}),
+    "untied_embedding": (models.UntiedLM, {"units": ["Embedding", "Block"]}),
+    "checkpointed_blocks": (models.CheckpointedLM, {"units": ["Embedding", "Block"]}),
+    "raw_input_stem": (models.RawInputStem, {"units": ["Conv1d", "LayerNorm"]}),
 }
 
 ORDER_WARNING = "order in which units run changed"
@@ -161,3 +164,35 @@ def bytes_per_step(rank: int, world: int, mode: str):
         runtime.after_optimizer_step()
     padded = {u.name: u.storage.padded_numel * 4 for u in runtime.units}
     return {"stats": runtime.last_step_stats, "padded": padded, "last": runtime._order[-1].name}
+
+
+def backward_gathers(rank: int, world: int, scenario: str, steps: int = 3):
+    """Per unit: all-gathers issued and backward gathers skipped; and the run's losses and parameters, with
+    the elision on and off (they must be identical)."""
+    model_cls, kwargs = SCENARIOS[scenario]
+    g = torch.Generator().manual_seed(7)
+    batches = [model_cls.batch(g, 12) for _ in range(steps)]
+    report = {}
+    for elide in (True, False):
+        torch.manual_seed(0)
+        model = model_cls()
+        runtime = shard_module(model, elide_backward_gathers=elide, **kwargs)
+        runtime.trace = []
+        skipped = []
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for batch in batches:
+            loss = model_cls.loss(model, batch.chunk(world)[rank], 0)
+            loss.backward()
+            skipped.append(runtime.stats.skipped_gathers)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            runtime.after_optimizer_step()
+            losses.append(loss.item())
+        gathers = {}
+        for op, unit in runtime.trace:
+            gathers.setdefault(unit, {"all_gather": 0, "skip_gather": 0, "reduce": 0})
+            gathers[unit][op] = gathers[unit].get(op, 0) + 1
+        report[elide] = {"losses": losses, "state": full_state_dict(runtime, rank0_only=False),
+                         "per_unit": gathers, "skipped_per_step": skipped}
+    return report

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.utils.checkpoint
 import torch.nn.functional as F
 from torch import nn
 
@@ -200,3 +201,49 @@ class Reorder(nn.Module):
     @staticmethod
     def batch(generator: torch.Generator, n: int) -> torch.Tensor:
         return torch.randn(n, 4, 10, generator=generator)
+
+
+class UntiedLM(TinyGPT):
+    """An embedding of its own (not tied): fed token ids, its backward needs no weights."""
+
+    def __init__(self, checkpoint_blocks: bool = False) -> None:
+        super().__init__()
+        self.head = nn.Linear(14, 37, bias=False)
+        self.checkpoint_blocks = checkpoint_blocks
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx) + self.wpe[: idx.shape[1]]
+        for block in self.blocks:
+            if self.checkpoint_blocks:  # recomputed in backward: gathered again there
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        return self.head(self.ln_f(x))
+
+
+class CheckpointedLM(UntiedLM):
+    def __init__(self) -> None:
+        super().__init__(checkpoint_blocks=True)
+
+
+class RawInputStem(nn.Module):
+    """A Conv1d and a LayerNorm applied to inputs that need no gradient: they still save their weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(3, 8, kernel_size=3, padding=1)
+        self.norm = nn.LayerNorm(3)
+        self.out = nn.Linear(8 + 3, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.conv(x).transpose(1, 2)
+        b = self.norm(x.transpose(1, 2))
+        return self.out(torch.cat([a, b], dim=-1))
+
+    @staticmethod
+    def loss(model: nn.Module, batch: torch.Tensor, step: int) -> torch.Tensor:
+        return model(batch).pow(2).mean()
+
+    @staticmethod
+    def batch(generator: torch.Generator, n: int) -> torch.Tensor:
+        return torch.randn(n, 3, 7, generator=generator)
