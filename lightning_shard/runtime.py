@@ -39,6 +39,9 @@ from lightning_shard.collectives import CommStats, Pending
 from lightning_shard.flat_shard import FlatShard
 
 
+MAX_PENDING_REDUCTIONS = 2  # gradient reductions in flight at once: one overlapping the next unit's backward
+
+
 class Unit:
     def __init__(self, name: str, members: list[nn.Module], storage: FlatShard, reshard_after_forward: bool):
         self.name = name
@@ -49,6 +52,7 @@ class Unit:
         self.inflight: Optional[Pending] = None  # a prefetch all-gather not yet waited for
         self.backward_pending = 0  # forward calls whose post-backward has not fired yet
         self.saved_for_backward = True  # autograd saved its gathered parameters in this step's forward
+        self.checkpointed = False  # a module reading its parameters is recomputed in backward
 
     def __repr__(self) -> str:
         return f"Unit({self.name!r}, numel={self.storage.padded_numel})"
@@ -105,6 +109,7 @@ class ShardRuntime:
         self._final_callback_queued = False
         self._pending_reductions: list[tuple[Unit, Pending, list[int]]] = []
         self._handles: list[Any] = []
+        self.undo: list[Callable[[], None]] = []  # restores what was wrapped at setup (activation checkpointing)
         self.elide_backward_gathers = elide_backward_gathers
         self._gathered_storage: dict[int, Unit] = {}  # data pointer of a gathered buffer -> its unit
         self._saved_hooks: Optional[Any] = None
@@ -219,7 +224,8 @@ class ShardRuntime:
         return tensor.detach() if not tensor.requires_grad or tensor.grad_fn is not None else tensor
 
     def _needs_backward_gather(self, unit: Unit) -> bool:
-        return unit.reshard_after_forward and (unit.saved_for_backward or not self.elide_backward_gathers)
+        needed = unit.saved_for_backward or unit.checkpointed or not self.elide_backward_gathers
+        return unit.reshard_after_forward and needed
 
     def _record_order(self) -> None:
         current, self._current_order = self._current_order, []
@@ -289,13 +295,16 @@ class ShardRuntime:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        for restore in self.undo:
+            restore()
+        self.undo.clear()
 
     def _pre_forward(self, unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         self.gather(unit)
         if not self._final_callback_queued:  # not a recomputation inside backward
             self._current_order.append(unit)
             self._forward_cursor = self._prefetch_after(unit, self._order, self._forward_cursor)
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or self._recomputing_for_saved_tensors(unit):
             return args, kwargs
         flat, spec = tree_flatten((args, kwargs))
         positions = [i for i, x in enumerate(flat) if isinstance(x, Tensor) and x.requires_grad]
@@ -307,14 +316,22 @@ class ShardRuntime:
             flat[i] = tensor
         return tree_unflatten(flat, spec)
 
+    def _recomputing_for_saved_tensors(self, unit: Unit) -> bool:
+        """A call inside backward of a unit whose backward is still to come: a non-reentrant checkpoint
+        recomputing saved tensors. Its graph is never run backward, so it gets no backward hooks."""
+        return self._final_callback_queued and unit.backward_pending > 0
+
     def _post_forward(self, unit: Unit, module: nn.Module, output: Any) -> Any:
         grad_enabled = torch.is_grad_enabled()
         # backward starts with the last unit: freeing it now would only mean gathering it again at once
         keep_for_backward = (grad_enabled and bool(self._order) and unit is self._order[-1]
-                             and (unit.saved_for_backward or not self.elide_backward_gathers))
-        if module is unit.members[-1] and not keep_for_backward and (unit.reshard_after_forward or not grad_enabled):
+                             and self._needs_backward_gather(unit))
+        # a recomputation inside backward: the unit's backward follows at once and frees it
+        recomputing = self._final_callback_queued
+        if (module is unit.members[-1] and not keep_for_backward and not recomputing
+                and (unit.reshard_after_forward or not grad_enabled)):
             self.reshard(unit)
-        if grad_enabled:
+        if grad_enabled and not self._recomputing_for_saved_tensors(unit):
             tensors = [x for x in tree_flatten(output)[0] if isinstance(x, Tensor) and x.requires_grad]
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(tensors, lambda _: self._pre_backward(unit), mode="any")
@@ -366,14 +383,20 @@ class ShardRuntime:
         else:
             pending = Pending(None, flat, self.stats)
         self._pending_reductions.append((unit, pending, used))
+        # each reduction in flight holds a unit's full gradient: bound them, or backward would hold the model's
+        while len(self._pending_reductions) > MAX_PENDING_REDUCTIONS:
+            self._complete_oldest_reduction()
+
+    def _complete_oldest_reduction(self) -> None:
+        unit, pending, used = self._pending_reductions.pop(0)
+        unit.storage.accumulate_shard_grad(pending.wait(), used)
 
     def _finish_backward(self) -> None:
         self._final_callback_queued = False
         for unit in self.units:  # units whose post-backward did not fire (inputs without grad, root)
             self._reduce(unit)
-        for unit, pending, used in self._pending_reductions:
-            unit.storage.accumulate_shard_grad(pending.wait(), used)
-        self._pending_reductions.clear()
+        while self._pending_reductions:
+            self._complete_oldest_reduction()
         if self.nonfinite is not None:
             self._check_finite()
         for unit in self.units:

@@ -9,6 +9,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_shard.activation_checkpointing import (
+    CheckpointSpec,
+    checkpoint_modules,
+    validate_activation_checkpointing,
+)
 from lightning_shard.flat_shard import FlatShard, ParamSlot
 from lightning_shard.materialize import Materializer
 from lightning_shard.runtime import ShardRuntime, Unit
@@ -36,6 +41,7 @@ def shard_module(
     nonfinite: Optional[str] = None,
     device: Optional[torch.device] = None,
     elide_backward_gathers: bool = True,
+    activation_checkpointing: CheckpointSpec = False,
 ) -> ShardRuntime:
     """Shard ``module``'s parameters across ``group`` and install the hooks that gather them on use.
 
@@ -45,6 +51,7 @@ def shard_module(
     holds its shards plus at most one full unit, never the whole model.
     """
     validate_sharding(sharding)
+    activation_checkpointing = validate_activation_checkpointing(activation_checkpointing)
     existing = getattr(module, "_shard_runtime", None)
     if existing is not None:
         return existing
@@ -88,6 +95,7 @@ def shard_module(
 
     runtime = ShardRuntime(module, built, root_unit, group, reduce_dtype=reduce_dtype, prefetch=prefetch,
                            nonfinite=nonfinite, elide_backward_gathers=elide_backward_gathers)
+    runtime.undo.extend(checkpoint_modules(module, built, root_unit, activation_checkpointing))
     module._shard_runtime = runtime
     return runtime
 

@@ -36,6 +36,7 @@ from torch.optim import Optimizer
 
 import lightning.pytorch as pl
 from lightning_shard import sharded_checkpoint
+from lightning_shard.activation_checkpointing import CheckpointSpec, validate_activation_checkpointing
 from lightning_shard.checkpointing import (
     ShardedSource,
     open_checkpoint,
@@ -62,6 +63,11 @@ class ShardStrategy(ParallelStrategy):
         unit_size: a parameter budget: consecutive submodules are packed into units of at most this
             many parameters. With neither, each instance of a repeated block class is a unit.
         prefetch: how many units ahead to all-gather while the current one computes (0: off).
+        activation_checkpointing: ``True`` recomputes every unit's activations in backward instead of keeping
+            them; module classes or class names (``["Block"]``) choose the modules to recompute (each must lie
+            within one unit). The recomputation and the unit's backward share one all-gather.
+        elide_backward_gathers: skip the backward all-gather of a unit whose parameters autograd did not save
+            in forward (an embedding fed token ids); detected each step, exact. ``False`` always gathers.
         reduce_during_accumulation: reduce-scatter gradients after every micro-batch, keeping gradient
             memory at 1/N. ``False`` skips the reduction on non-final micro-batches of
             ``accumulate_grad_batches``: less communication, but a full gradient per unit is held.
@@ -90,6 +96,8 @@ class ShardStrategy(ParallelStrategy):
         units: Optional[Union[UnitSpec, Sequence[UnitSpec]]] = None,
         unit_size: Optional[int] = None,
         prefetch: int = 1,
+        activation_checkpointing: CheckpointSpec = False,
+        elide_backward_gathers: bool = True,
         reduce_during_accumulation: bool = True,
         mixed_precision: Optional[MixedPrecision] = None,
         nonfinite: Optional[str] = None,
@@ -117,6 +125,10 @@ class ShardStrategy(ParallelStrategy):
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"`prefetch` must be an int >= 0 (units gathered ahead), got {prefetch!r}.")
         self.prefetch = prefetch
+        self.activation_checkpointing = validate_activation_checkpointing(activation_checkpointing)
+        if not isinstance(elide_backward_gathers, bool):
+            raise ValueError(f"`elide_backward_gathers` must be True or False, got {elide_backward_gathers!r}.")
+        self.elide_backward_gathers = elide_backward_gathers
         self.reduce_during_accumulation = bool(reduce_during_accumulation)
         self.mixed_precision = validate_mixed_precision(mixed_precision)
         if nonfinite not in (None, "skip", "error"):
@@ -207,6 +219,8 @@ class ShardStrategy(ParallelStrategy):
                 self.model, sharding=self.sharding, units=self.units, unit_size=self.unit_size, prefetch=self.prefetch,
                 param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype, buffer_dtype=policy.buffer_dtype,
                 nonfinite=self.nonfinite, device=self.root_device,
+                activation_checkpointing=self.activation_checkpointing,
+                elide_backward_gathers=self.elide_backward_gathers,
             )
             rank_zero_info(
                 f"lightning_shard: sharding={self.sharding!r}, {len(self.runtime.units)} units over"

@@ -77,7 +77,7 @@ def plan_units(
     return _assign_params(root, member_groups)
 
 
-def _class_matches(module: nn.Module, specs: Sequence[UnitSpec]) -> Optional[UnitSpec]:
+def class_matches(module: nn.Module, specs: Sequence[UnitSpec]) -> Optional[UnitSpec]:
     for spec in specs:
         if (isinstance(spec, str) and type(module).__name__ == spec) or (
             isinstance(spec, type) and isinstance(module, spec)
@@ -92,7 +92,7 @@ def _match_classes(root: nn.Module, specs: Optional[Sequence[UnitSpec]]) -> list
     used: set = set()
     names = []
     for name, module in root.named_modules():
-        spec = _class_matches(module, specs) if module is not root else None
+        spec = class_matches(module, specs) if module is not root else None
         if spec is not None:
             used.add(spec)
             names.append(name)

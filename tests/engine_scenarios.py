@@ -26,6 +26,10 @@ SCENARIOS = {
     "untied_embedding": (models.UntiedLM, {"units": ["Embedding", "Block"]}),
     "checkpointed_blocks": (models.CheckpointedLM, {"units": ["Embedding", "Block"]}),
     "raw_input_stem": (models.RawInputStem, {"units": ["Conv1d", "LayerNorm"]}),
+    "gpt_checkpointed": (models.TinyGPT, {"activation_checkpointing": True}),
+    "gpt_checkpointed_inner": (models.TinyGPT, {"units": ["Block"],
+                                                "activation_checkpointing": ["MultiheadAttention", "Sequential"]}),
+    "untied_checkpointed": (models.UntiedLM, {"units": ["Embedding", "Block"], "activation_checkpointing": True}),
 }
 
 ORDER_WARNING = "order in which units run changed"
