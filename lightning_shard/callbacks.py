@@ -41,6 +41,7 @@ class RunSummary(L.Callback):
         runtime = getattr(strategy, "runtime", None)
         comm = dict(getattr(strategy, "comm_stats", {}))
         timed = self.step_times[self.warmup_steps :] or self.step_times
+        estimate = getattr(strategy, "memory_estimate", None)
         summary = {
             "sharding": getattr(strategy, "sharding", type(strategy).__name__),
             "unit_size": getattr(strategy, "unit_size", None),
@@ -50,6 +51,10 @@ class RunSummary(L.Callback):
             "steps": trainer.global_step,
             "median_step_s": statistics.median(timed) if timed else None,
             "model_state_mb_per_rank": model_state_bytes(pl_module, trainer.optimizers) / 2**20,
+            # estimated at setup, activations excluded (python -m lightning_shard.estimate includes them)
+            "estimated_mb_per_rank": estimate.peak / 2**20 if estimate is not None else None,
+            "cuda_peak_mb_per_rank": (torch.cuda.max_memory_allocated(strategy.root_device) / 2**20
+                                      if strategy.root_device.type == "cuda" else None),
             "peak_gathered_mb_per_rank": runtime.peak_gathered_bytes / 2**20 if runtime is not None else None,
             "peak_rss_mb_per_rank": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "bytes_moved_mb_per_step": (comm.get("all_gather_bytes", 0) + comm.get("reduce_scatter_bytes", 0)

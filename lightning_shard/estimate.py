@@ -1,15 +1,16 @@
 """Per-rank peak memory of a sharded training step, predicted before running it.
 
     peak = parameter shards + optimizer state + buffers + root unit (gathered all step)
-           + max( activations + gathered units + gradients in flight + gradient shards,   # forward/backward
-                  gradient shards + optimizer step scratch )                              # optimizer step
+           + max( activations + gathered units + gradients in flight,   # start of backward
+                  gradient shards + optimizer step scratch )           # optimizer step
 
 Every term is counted, not guessed: unit sizes come from the same planner the strategy uses (padding
 included); optimizer state and step scratch per parameter element from one step of the real optimizer on
-a small tensor; activations (and backward temporaries) from one forward and backward of the model on the
-meta device, which allocates nothing, with the chosen activation checkpointing applied. Gathered units and
+a small tensor; activations (and backward temporaries) from one forward and backward of the model on fake
+tensors of the target device (``FakeTensorMode``: real kernels are chosen, e.g. CPU flash attention, nothing
+is allocated), with the chosen activation checkpointing applied. Gathered units and
 gradients in flight follow the engine's bounds: ``1 + prefetch`` units gathered under ``full`` sharding, all
-of them from forward to backward under ``grad_op``, at most ``MAX_PENDING_REDUCTIONS`` reductions.
+of them from forward to backward under ``grad_op``.
 
 CLI (the Hydra config's model, data and strategy): ``python -m lightning_shard.estimate [overrides]``.
 """
@@ -20,10 +21,12 @@ import copy
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_shard.activation_checkpointing import (
     CheckpointSpec,
@@ -32,7 +35,6 @@ from lightning_shard.activation_checkpointing import (
     wrap_forward,
 )
 from lightning_shard.memory_tracker import LiveBytes
-from lightning_shard.runtime import MAX_PENDING_REDUCTIONS
 from lightning_shard.shard_module import validate_sharding
 from lightning_shard.wrap import UnitSpec, plan_units
 
@@ -48,14 +50,15 @@ class MemoryEstimate:
     buffers: int
     grads: int  # gradient shards, complete at the end of backward
     gathered: int  # other units gathered at once
-    grads_in_flight: int  # unsharded gradients of the unit in backward, the root's, reductions in flight
+    grads_in_flight: int  # unsharded gradients: the root unit's and the largest unit's
     activations: int  # saved for backward plus backward temporaries (local batch)
     step_scratch: int  # temporaries of the optimizer step
 
     @property
     def peak(self) -> int:
         resident = self.params + self.optimizer_state + self.buffers
-        backward = self.activations + self.gathered + self.grads_in_flight + self.grads
+        # backward peaks at its start, with every activation alive: gradient shards come later, as activations go
+        backward = self.activations + self.gathered + self.grads_in_flight
         return resident + max(backward, self.grads + self.step_scratch)
 
     def as_dict(self) -> dict[str, int]:
@@ -74,65 +77,89 @@ def estimate_memory(
     unit_size: Optional[int] = None,
     prefetch: int = 1,
     param_dtype: Optional[torch.dtype] = None,
-    reduce_dtype: Optional[torch.dtype] = None,
+    master_dtype: Optional[torch.dtype] = None,
     optimizer: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW,
     step: Optional[Callable[[nn.Module, Any], Tensor]] = None,
     batch: Any = None,
     activation_checkpointing: CheckpointSpec = False,
+    device: Union[str, torch.device] = "cpu",
 ) -> MemoryEstimate:
     """Predict one rank's peak memory for training ``model`` sharded over ``world_size`` ranks.
 
-    ``model`` may live on any device, the meta device included; it is not modified. ``step(model, batch)``
+    ``model`` may live on any device, the meta device included; it is not modified. ``device`` is where
+    training will run (its kernels decide the activations, e.g. which attention kernel). ``step(model, batch)``
     returns the loss of one local (per-rank) ``batch``; without it no activations are counted.
     ``optimizer`` is called like ``optimizer(params)``: an optimizer class or a ``functools.partial``.
+    ``param_dtype`` is the gather/compute dtype (mixed precision), ``master_dtype`` that of the shards.
     """
     validate_sharding(sharding)
     spec = validate_activation_checkpointing(activation_checkpointing)
     plans = plan_units(model, units=units, unit_size=unit_size)
-    master = next((p.dtype for p in model.parameters()), torch.float32)
+    master = master_dtype or next((p.dtype for p in model.parameters()), torch.float32)
     param_dtype = param_dtype or master
-    reduce_dtype = reduce_dtype or master
-    b_master, b_param, b_reduce = (_size(d) for d in (master, param_dtype, reduce_dtype))
     ranks = world_size if sharding != "none" else 1
-    aliases = ranks == 1 and param_dtype == master
-
-    sizes = []  # (padded numel, shard numel, is root) per unit
+    sizes = []
     for plan in plans:
-        numel = plan.numel()
-        if numel:
-            shard = math.ceil(numel / ranks)
-            sizes.append((shard * ranks, shard, plan.members == [""]))
-    shard_total = sum(s for _, s, _ in sizes)
-    root_numel = sum(n for n, _, is_root in sizes if is_root)
-    others = sorted((n for n, _, is_root in sizes if not is_root), reverse=True)
+        if plan.numel():
+            shard = math.ceil(plan.numel() / ranks)
+            sizes.append(UnitSize(shard * ranks, shard, plan.members == [""]))
+    activations = activation_bytes(model, step, batch, param_dtype, plans, spec, device) if step is not None else 0
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    return combine(sizes, master, param_dtype, sharding, prefetch, optimizer, buffers, activations)
 
+
+@dataclass(frozen=True)
+class UnitSize:
+    padded: int  # elements of the gathered (padded) buffer
+    shard: int  # elements of one rank's shard
+    is_root: bool
+
+
+def combine(sizes: list[UnitSize], master: torch.dtype, param_dtype: torch.dtype, sharding: str, prefetch: int,
+            optimizer: Callable[..., torch.optim.Optimizer], buffers: int, activations: int) -> MemoryEstimate:
+    """The formula of the module note, from unit sizes (planned, or read off a sharded model)."""
+    b_master, b_param = _size(master), _size(param_dtype)
+    aliases = all(u.padded == u.shard for u in sizes) and param_dtype == master  # gathered buffer = shard
+    shard_total = sum(u.shard for u in sizes)
+    root = sum(u.padded for u in sizes if u.is_root)
+    others = sorted((u.padded for u in sizes if not u.is_root), reverse=True)
     if aliases:
         gathered = 0
     elif sharding == "full":
         gathered = sum(others[: 1 + prefetch]) * b_param
     else:  # grad_op keeps every unit gathered from its forward to its backward; none keeps them always
         gathered = sum(others) * b_param
-    reductions = sorted(((n * b_reduce + (s * b_reduce if ranks > 1 else 0)) for n, s, _ in sizes), reverse=True)
-    grads_in_flight = ((others[0] if others else 0) * b_param + root_numel * b_param
-                       + sum(reductions[:MAX_PENDING_REDUCTIONS]))
+    # the root's gradients build up through all of backward; a unit's until its reduction. Reductions in flight
+    # are not added: they exist once units' activations are freed, which outweigh them unless activations are tiny
+    grads_in_flight = ((others[0] if others else 0) + root) * b_param
     state_per_element, scratch_per_element = _optimizer_bytes_per_element(optimizer, master)
     return MemoryEstimate(
-        params=shard_total * b_master + (0 if aliases else root_numel * b_param),
+        params=shard_total * b_master + (0 if aliases else root * b_param),
         optimizer_state=round(shard_total * state_per_element),
-        buffers=sum(b.numel() * b.element_size() for b in model.buffers()),
+        buffers=buffers,
         grads=shard_total * b_master,
         gathered=gathered,
         grads_in_flight=grads_in_flight,
-        activations=activation_bytes(model, step, batch, param_dtype, plans, spec) if step is not None else 0,
+        activations=activations,
         step_scratch=round(shard_total * scratch_per_element),
     )
 
 
+def estimate_sharded(runtime: Any, sharding: str, prefetch: int, optimizer: Callable[..., torch.optim.Optimizer]
+                     ) -> MemoryEstimate:
+    """The estimate, activations excluded, of a model already sharded (what the strategy logs at setup)."""
+    sizes = [UnitSize(u.storage.padded_numel, u.storage.shard_numel, u is runtime.root_unit) for u in runtime.units]
+    first = runtime.units[0].storage
+    buffers = sum(b.numel() * b.element_size() for b in runtime.root.buffers())
+    return combine(sizes, first.master_dtype, first.param_dtype, sharding, prefetch, optimizer, buffers, 0)
+
+
 def activation_bytes(model: nn.Module, step: Callable[[nn.Module, Any], Tensor], batch: Any,
-                     param_dtype: torch.dtype, plans: Optional[list] = None,
-                     activation_checkpointing: Any = False) -> int:
-    """Peak bytes above the parameters during one forward and backward, run on the meta device."""
-    shadow = meta_copy(model, param_dtype)
+                     param_dtype: Optional[torch.dtype] = None, plans: Optional[list] = None,
+                     activation_checkpointing: Any = False, device: Union[str, torch.device] = "cpu") -> int:
+    """Peak bytes above the parameters during one forward and backward, run on fake tensors of ``device``."""
+    fake = FakeTensorMode()
+    shadow, fake_batch = fake_copy(model, batch, fake, torch.device(device), param_dtype)
     if activation_checkpointing:
         plans = plans if plans is not None else plan_units(shadow)
         members = [[shadow.get_submodule(name) for name in plan.members] for plan in plans
@@ -142,29 +169,31 @@ def activation_bytes(model: nn.Module, step: Callable[[nn.Module, Any], Tensor],
     for param in shadow.parameters():  # a gradient leaves at once: the engine reduces it, counted apart
         if param.requires_grad:
             param.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
-    meta_batch = _to_meta(batch)
-    with LiveBytes() as live:
-        live.track([*shadow.parameters(), *shadow.buffers(), *_tensors(meta_batch)])
+    with fake, LiveBytes() as live:
+        live.track([*shadow.parameters(), *shadow.buffers(), *_tensors(fake_batch)])
         baseline = live.current()
         live.reset_peak()
-        loss = step(shadow, meta_batch)
-        loss.backward()
+        step(shadow, fake_batch).backward()
     return max(live.peak - baseline, 0)
 
 
-def meta_copy(model: nn.Module, dtype: Optional[torch.dtype] = None) -> nn.Module:
-    """A copy of ``model`` with every parameter and buffer on the meta device (nothing is allocated)."""
+def fake_copy(model: nn.Module, batch: Any, fake: FakeTensorMode, device: torch.device,
+              dtype: Optional[torch.dtype] = None) -> tuple[nn.Module, Any]:
+    """``model`` and ``batch`` with every tensor replaced by a fake one on ``device`` (nothing is allocated)."""
+    if getattr(model, "_shard_runtime", None) is not None:
+        raise ValueError("estimate_memory takes the model before sharding (it is sharded already).")
+
+    def empty(t: Tensor) -> Tensor:
+        cast = dtype if dtype is not None and t.is_floating_point() else t.dtype
+        with fake:
+            return torch.empty(t.shape, dtype=cast, device=device)
+
     memo: dict[int, Any] = {}
     for tensor in (*model.parameters(), *model.buffers()):
-        if id(tensor) in memo:
-            continue
-        cast = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
-        empty = torch.empty_like(tensor, device="meta", dtype=cast)
-        memo[id(tensor)] = nn.Parameter(empty, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
-    runtime = getattr(model, "_shard_runtime", None)
-    if runtime is not None:
-        raise ValueError("estimate_memory takes the model before sharding (it is sharded already).")
-    return copy.deepcopy(model, memo)
+        if id(tensor) not in memo:
+            memo[id(tensor)] = nn.Parameter(empty(tensor), tensor.requires_grad) if isinstance(
+                tensor, nn.Parameter) else empty(tensor)
+    return copy.deepcopy(model, memo), tree_map(lambda x: empty(x) if isinstance(x, Tensor) else x, batch)
 
 
 def _optimizer_bytes_per_element(optimizer: Callable[..., torch.optim.Optimizer], dtype: torch.dtype
@@ -190,12 +219,61 @@ def _size(dtype: torch.dtype) -> int:
 
 
 def _tensors(tree: Any) -> list[Tensor]:
-    from torch.utils._pytree import tree_flatten
-
     return [x for x in tree_flatten(tree)[0] if isinstance(x, Tensor)]
 
 
-def _to_meta(tree: Any) -> Any:
-    from torch.utils._pytree import tree_map
+def estimate_config(cfg: Any) -> tuple[MemoryEstimate, int]:
+    """The estimate for a composed training config (``conf/``): its model, one batch of its data, its strategy,
+    precision and world size. Returns the estimate and the world size."""
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
 
-    return tree_map(lambda x: torch.empty_like(x, device="meta") if isinstance(x, Tensor) else x, tree)
+    from lightning_shard.precision import _POLICY, SUPPORTED_PRECISION
+
+    data = instantiate(cfg.data)
+    model_cfg = cfg.model
+    if "model" in model_cfg and OmegaConf.is_missing(model_cfg.model, "vocab_size"):
+        model_cfg = OmegaConf.merge(model_cfg, {"model": {"vocab_size": data.vocab_size}})
+    with torch.device("meta"):
+        module = instantiate(model_cfg)
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    strategy = instantiate(cfg.strategy)
+    precision = str(cfg.precision)
+    if precision not in SUPPORTED_PRECISION:
+        raise ValueError(f"`precision` must be one of {', '.join(SUPPORTED_PRECISION)}; got {precision!r}.")
+    policy = strategy.mixed_precision or _POLICY[precision]
+    world = int(cfg.trainer.devices) * int(cfg.trainer.get("num_nodes", 1))
+    optimizer = getattr(torch.optim, str(cfg.get("optimizer", "AdamW")))
+    estimate = estimate_memory(
+        module, world, sharding=strategy.sharding, units=strategy.units, unit_size=strategy.unit_size,
+        prefetch=strategy.prefetch, param_dtype=policy.param_dtype,
+        master_dtype=torch.bfloat16 if precision == "bf16-true" else None, optimizer=optimizer,
+        step=lambda m, b: m.training_step(b, 0), batch=batch,
+        activation_checkpointing=strategy.activation_checkpointing,
+        device="cuda" if cfg.trainer.accelerator in ("gpu", "cuda") else "cpu",
+    )
+    return estimate, world
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """``python -m lightning_shard.estimate [Hydra overrides]``: per-rank peak for the training config."""
+    import sys
+    import warnings
+
+    from hydra import compose, initialize_config_dir
+
+    from lightning_shard.train import CONF_DIR
+
+    overrides = list(sys.argv[1:] if argv is None else argv)
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose(config_name="config", overrides=overrides)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # self.log() without a Trainer, in the model's training_step
+        estimate, world = estimate_config(cfg)
+    print(f"lightning_shard memory estimate per rank ({world} ranks, {' '.join(overrides) or 'defaults'}):")
+    print(estimate.table())
+
+
+if __name__ == "__main__":
+    main()

@@ -307,14 +307,13 @@ class ShardRuntime:
         if not torch.is_grad_enabled() or self._recomputing_for_saved_tensors(unit):
             return args, kwargs
         flat, spec = tree_flatten((args, kwargs))
-        positions = [i for i, x in enumerate(flat) if isinstance(x, Tensor) and x.requires_grad]
-        if not positions:  # nothing to hook: the final callback reduces this unit
+        # each tensor once: a module may test identity (`attn(h, h, h)` projects once when `query is key`)
+        inputs = list({id(x): x for x in flat if isinstance(x, Tensor) and x.requires_grad}.values())
+        if not inputs:  # nothing to hook: the final callback reduces this unit
             return args, kwargs
         unit.backward_pending += 1
-        hooked = _PostBackward.apply(self, unit, *(flat[i] for i in positions))
-        for i, tensor in zip(positions, hooked):
-            flat[i] = tensor
-        return tree_unflatten(flat, spec)
+        hooked = dict(zip(map(id, inputs), _PostBackward.apply(self, unit, *inputs)))
+        return tree_unflatten([hooked.get(id(x), x) for x in flat], spec)
 
     def _recomputing_for_saved_tensors(self, unit: Unit) -> bool:
         """A call inside backward of a unit whose backward is still to come: a non-reentrant checkpoint

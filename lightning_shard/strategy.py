@@ -3,6 +3,7 @@ optimizer and precision hooks, checkpoint state)."""
 
 from __future__ import annotations
 
+import inspect
 import os
 from pathlib import Path
 from collections.abc import Generator, Mapping, Sequence
@@ -29,7 +30,7 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
@@ -44,6 +45,7 @@ from lightning_shard.checkpointing import (
     save_sharded,
     validate_state_dict_type,
 )
+from lightning_shard.estimate import MemoryEstimate, estimate_sharded
 from lightning_shard.optim_state import full_optimizer_state_dict, load_full_optimizer_state_dict
 from lightning_shard.precision import MixedPrecision, ShardPrecision, validate_mixed_precision
 from lightning_shard.runtime import ShardRuntime
@@ -143,6 +145,7 @@ class ShardStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         self.num_nodes = 1
         self.runtime: Optional[ShardRuntime] = None
+        self.memory_estimate: Optional[MemoryEstimate] = None  # per rank, set at setup for fitting
 
     # -- properties Lightning asks for --------------------------------------------------------------
     @property
@@ -233,6 +236,28 @@ class ShardStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+            self._report_memory_estimate()
+
+    def _report_memory_estimate(self) -> None:
+        """Log the per-rank estimate (activations excluded: they need a batch, see ``lightning_shard.estimate``)
+        and warn before the first step if it already exceeds what this rank's device has."""
+        assert self.runtime is not None
+        optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+        optimizer = _same_kind(optimizers[0]) if optimizers else torch.optim.SGD
+        try:
+            self.memory_estimate = estimate_sharded(self.runtime, self.sharding, self.prefetch, optimizer)
+        except Exception as err:  # an estimate must never stop training
+            rank_zero_warn(f"lightning_shard: no memory estimate ({type(err).__name__}: {err}).")
+            return
+        peak, available = self.memory_estimate.peak, _device_memory_per_rank(self.root_device, self.num_processes)
+        rank_zero_info(f"lightning_shard: estimated memory per rank before activations: {peak / 2**20:.1f} MiB"
+                       f" (python -m lightning_shard.estimate adds them)\n{self.memory_estimate.table()}")
+        if available is not None and peak > available:
+            rank_zero_warn(
+                f"lightning_shard: the estimated {peak / 2**30:.2f} GiB per rank, before activations, exceeds the"
+                f" {available / 2**30:.2f} GiB this rank's device has: expect out-of-memory. Shard over more ranks,"
+                " use smaller units (unit_size), bf16, or activation_checkpointing."
+            )
 
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:
         self._reset_optimizers_and_schedulers()  # references to parameters of an earlier setup are stale
@@ -386,3 +411,19 @@ class ShardStrategy(ParallelStrategy):
             if name not in strategy_registry:
                 strategy_registry.register(name, cls, description=f"lightning_shard, sharding={sharding!r}",
                                            sharding=sharding)
+
+
+def _same_kind(optimizer: Optimizer) -> Callable[[list], Optimizer]:
+    """A factory of optimizers like ``optimizer`` (its constructor's own options), for the estimator's probe."""
+    accepted = inspect.signature(type(optimizer)).parameters
+    options = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    return lambda params: type(optimizer)(params, **options)
+
+
+def _device_memory_per_rank(device: torch.device, local_ranks: int) -> Optional[int]:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:  # CPU ranks on one machine share its memory
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(local_ranks, 1)
+    except (ValueError, OSError, AttributeError):
+        return None

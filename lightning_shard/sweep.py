@@ -17,8 +17,8 @@ from typing import Any
 from hydra.experimental.callback import Callback
 
 COLUMNS = ("job", "overrides", "unit_size", "units", "median_step_s", "peak_gathered_mb_per_rank",
-           "model_state_mb_per_rank", "peak_rss_mb_per_rank", "bytes_moved_mb_per_step", "final_train_loss",
-           "final_val_loss")
+           "model_state_mb_per_rank", "estimated_mb_per_rank", "cuda_peak_mb_per_rank", "peak_rss_mb_per_rank",
+           "bytes_moved_mb_per_step", "final_train_loss", "final_val_loss")
 
 
 def collect(sweep_dir: str) -> list[dict[str, Any]]:
