@@ -93,12 +93,10 @@ def wrap_forward(module: nn.Module) -> Callable[[], None]:
         # take another path than in forward.
         flat, spec = tree_flatten((args, kwargs))
         tensors = list({id(x): x for x in flat if isinstance(x, Tensor)}.values())
-        position = {id(x): i for i, x in enumerate(tensors)}
-        where = [position[id(x)] if isinstance(x, Tensor) else None for x in flat]
 
         def run(*inputs: Tensor) -> Any:
-            rebuilt = [x if i is None else inputs[i] for x, i in zip(flat, where)]
-            call_args, call_kwargs = tree_unflatten(rebuilt, spec)
+            given = dict(zip(map(id, tensors), inputs))
+            call_args, call_kwargs = tree_unflatten([given.get(id(x), x) for x in flat], spec)
             return forward(*call_args, **call_kwargs)
 
         return torch.utils.checkpoint.checkpoint(run, *tensors, use_reentrant=False)

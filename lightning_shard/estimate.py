@@ -226,23 +226,17 @@ def estimate_config(cfg: Any) -> tuple[MemoryEstimate, int]:
     """The estimate for a composed training config (``conf/``): its model, one batch of its data, its strategy,
     precision and world size. Returns the estimate and the world size."""
     from hydra.utils import instantiate
-    from omegaconf import OmegaConf
 
-    from lightning_shard.precision import _POLICY, SUPPORTED_PRECISION
+    from lightning_shard.precision import ShardPrecision
+    from lightning_shard.train import build_data_and_model
 
-    data = instantiate(cfg.data)
-    model_cfg = cfg.model
-    if "model" in model_cfg and OmegaConf.is_missing(model_cfg.model, "vocab_size"):
-        model_cfg = OmegaConf.merge(model_cfg, {"model": {"vocab_size": data.vocab_size}})
-    with torch.device("meta"):
-        module = instantiate(model_cfg)
+    with torch.device("meta"):  # the model's parameters are never allocated
+        data, module = build_data_and_model(cfg)
     data.setup("fit")
     batch = next(iter(data.train_dataloader()))
     strategy = instantiate(cfg.strategy)
     precision = str(cfg.precision)
-    if precision not in SUPPORTED_PRECISION:
-        raise ValueError(f"`precision` must be one of {', '.join(SUPPORTED_PRECISION)}; got {precision!r}.")
-    policy = strategy.mixed_precision or _POLICY[precision]
+    policy = strategy.mixed_precision or ShardPrecision(precision).policy
     world = int(cfg.trainer.devices) * int(cfg.trainer.get("num_nodes", 1))
     optimizer = getattr(torch.optim, str(cfg.get("optimizer", "AdamW")))
     estimate = estimate_memory(

@@ -224,7 +224,9 @@ class ShardRuntime:
         return tensor.detach() if not tensor.requires_grad or tensor.grad_fn is not None else tensor
 
     def _needs_backward_gather(self, unit: Unit) -> bool:
-        needed = unit.saved_for_backward or unit.checkpointed or not self.elide_backward_gathers
+        # a unit whose gathered buffer is its shard moves no data to gather: nothing to skip there
+        needed = (unit.saved_for_backward or unit.checkpointed or unit.storage.aliases_shard
+                  or not self.elide_backward_gathers)
         return unit.reshard_after_forward and needed
 
     def _record_order(self) -> None:

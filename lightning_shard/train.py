@@ -28,16 +28,21 @@ from lightning_shard.precision import SUPPORTED_PRECISION
 CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
 
 
+def build_data_and_model(cfg: DictConfig) -> tuple[Any, Any]:
+    """Instantiate the data module, then the LightningModule (whose vocabulary may come from the data)."""
+    data = instantiate(cfg.data)
+    model_cfg = cfg.model
+    if "model" in model_cfg and OmegaConf.is_missing(model_cfg.model, "vocab_size"):  # known once data is built
+        model_cfg = OmegaConf.merge(model_cfg, {"model": {"vocab_size": data.vocab_size}})
+    return data, instantiate(model_cfg)
+
+
 def build(cfg: DictConfig) -> tuple[Any, Any, Any]:
     """Instantiate data, model and Trainer from a resolved config."""
     import lightning as L
 
     L.seed_everything(cfg.seed, workers=True)
-    data = instantiate(cfg.data)
-    model_cfg = cfg.model
-    if "model" in model_cfg and OmegaConf.is_missing(model_cfg.model, "vocab_size"):  # known once data is built
-        model_cfg = OmegaConf.merge(model_cfg, {"model": {"vocab_size": data.vocab_size}})
-    module = instantiate(model_cfg)
+    data, module = build_data_and_model(cfg)
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
     loggers = [instantiate(c) for c in (cfg.get("logger") or {}).values() if c is not None]
     trainer = instantiate(cfg.trainer, strategy=instantiate(cfg.strategy), callbacks=callbacks, logger=loggers or False)
