@@ -12,10 +12,10 @@ import lightning as L
 import torch
 
 from lightning_shard import ShardStrategy
-from lightning_shard.callbacks import PrintProgress
-from lightning_shard.data.text import CharTextDataModule
-from lightning_shard.models.gpt import GPT
-from lightning_shard.models.lit_lm import LitLanguageModel
+from lightning_shard.app.callbacks import PrintProgress
+from lightning_shard.app.data.text import CharTextDataModule
+from lightning_shard.app.models.gpt import GPT
+from lightning_shard.app.models.lit_lm import LitLanguageModel
 
 
 def main() -> None:

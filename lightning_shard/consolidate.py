@@ -1,86 +1,9 @@
-"""Turn a sharded checkpoint directory into one ordinary Lightning checkpoint file.
+"""``python -m lightning_shard.consolidate CKPT_DIR OUT``: one full checkpoint file from a sharded one
+(``lightning_shard.checkpoint.consolidate``)."""
 
-    python -m lightning_shard.consolidate CKPT_DIR OUT.pt
-
-The result is what ``state_dict_type="full"`` would have written: ``state_dict`` loads into the plain
-LightningModule (``load_state_dict`` or ``load_from_checkpoint``), ``optimizer_states`` are ordinary
-``Optimizer.state_dict()``s, and ``trainer.fit(ckpt_path=OUT.pt)`` resumes from it. Runs in one process,
-without a process group; it needs memory for the whole model (that is the point of the output).
-"""
-
-from __future__ import annotations
-
-import argparse
 import sys
-import warnings
-from pathlib import Path
-from typing import Any, Optional, Union
 
-import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-from lightning_shard import checkpoint_files as files
-from lightning_shard.sharded_checkpoint import MODEL_PREFIX, optimizer_prefix, read_metadata
-
-
-def consolidate(directory: Union[str, Path], out: Optional[Union[str, Path]] = None) -> dict[str, Any]:
-    """Read a sharded checkpoint whole; write it to ``out`` (atomically) if given; return it."""
-    directory = files.resolve(Path(directory))
-    if directory.is_file():
-        raise files.CheckpointError(f"{str(directory)!r} is a file, already a full checkpoint.")
-    files.verify_directory(directory)
-    metadata = read_metadata(directory)
-    tensors = {key: torch.empty(md.size, dtype=md.properties.dtype)
-               for key, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
-    with warnings.catch_warnings():  # DCP notes it runs without a process group: that is the intent
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(tensors, storage_reader=files.SafeReader(str(directory)), no_dist=True)
-
-    checkpoint = files.load_weights(directory / files.META, "checkpoint metadata")
-    checkpoint["state_dict"] = {k[len(MODEL_PREFIX):]: v for k, v in tensors.items() if k.startswith(MODEL_PREFIX)}
-    checkpoint["optimizer_states"] = [
-        _full_optimizer_state(tensors, optimizer_prefix(i), saved)
-        for i, saved in enumerate(checkpoint.get("optimizer_states", []))
-    ]
-    if out is not None:
-        out = Path(out)
-        partial = files.partial_path(out)
-        torch.save(checkpoint, partial)
-        files.commit(partial, out)
-    return checkpoint
-
-
-def _full_optimizer_state(tensors: dict[str, torch.Tensor], prefix: str, saved: dict[str, Any]) -> dict[str, Any]:
-    """Back to torch's format: parameters numbered in the order of the optimizer's groups."""
-    order = [name for group in saved["param_groups"] for name in group["params"]]
-    index = {name: i for i, name in enumerate(order)}
-    state: dict[int, dict[str, Any]] = {}
-    for key, value in tensors.items():
-        if key.startswith(prefix):
-            name, state_key = key[len(prefix):].rsplit(".", 1)
-            state.setdefault(index[name], {})[state_key] = value
-    for name, other in saved["other"].items():
-        state.setdefault(index[name], {}).update(other)
-    groups = [{**group, "params": [index[n] for n in group["params"]]} for group in saved["param_groups"]]
-    return {"state": dict(sorted(state.items())), "param_groups": groups}
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lightning_shard.consolidate", description=__doc__.split("\n")[0])
-    parser.add_argument("checkpoint_dir", help="a sharded checkpoint directory written by lightning_shard")
-    parser.add_argument("out", help="the full checkpoint file to write")
-    args = parser.parse_args(argv)
-    try:
-        checkpoint = consolidate(args.checkpoint_dir, args.out)
-    except (files.CheckpointError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    n = sum(v.numel() for v in checkpoint["state_dict"].values())
-    print(f"wrote {args.out}: {len(checkpoint['state_dict'])} tensors, {n:,} elements,"
-          f" {len(checkpoint['optimizer_states'])} optimizer state(s)")
-    return 0
-
+from lightning_shard.checkpoint.consolidate import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -10,11 +10,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from lightning_shard import shard_module
-from lightning_shard import sharded_checkpoint as sharded
-from lightning_shard.checkpointing import open_checkpoint, save_sharded
-from lightning_shard.optim_state import full_optimizer_state_dict
-from lightning_shard.state_dict import full_state_dict
+from lightning_shard.engine.shard_module import shard_module
+from lightning_shard.checkpoint import sharded
+from lightning_shard.checkpoint.io import open_checkpoint, save_sharded
+from lightning_shard.checkpoint.full import full_optimizer_state_dict, full_state_dict
 from tests import models
 from tests.engine_scenarios import param_groups
 
@@ -115,7 +114,7 @@ def load_model_only(rank, world, path):
 
 def load_pretrained_file(rank, world, path, policy):
     """A differently seeded model, sharded, then loaded from a full weights file."""
-    from lightning_shard.pretrained import load_pretrained
+    from lightning_shard.checkpoint.pretrained import load_pretrained
 
     model_cls, model, runtime, opt = _build("gpt", 99, policy)
     result = load_pretrained(model, path)

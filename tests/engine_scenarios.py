@@ -10,8 +10,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from lightning_shard import shard_module
-from lightning_shard.state_dict import full_state_dict
+from lightning_shard.engine.shard_module import shard_module
+from lightning_shard.checkpoint.full import full_state_dict
 from tests import models
 
 SCENARIOS = {
@@ -167,7 +167,7 @@ def bytes_per_step(rank: int, world: int, mode: str):
         opt.step()
         runtime.after_optimizer_step()
     padded = {u.name: u.storage.padded_numel * 4 for u in runtime.units}
-    return {"stats": runtime.last_step_stats, "padded": padded, "last": runtime._order[-1].name}
+    return {"stats": runtime.last_step_stats, "padded": padded, "last": runtime.order[-1].name}
 
 
 def backward_gathers(rank: int, world: int, scenario: str, steps: int = 3):

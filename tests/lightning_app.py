@@ -17,7 +17,7 @@ import lightning as L
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lightning_shard import ShardStrategy  # noqa: E402
-from lightning_shard.state_dict import full_state_dict  # noqa: E402
+from lightning_shard.checkpoint.full import full_state_dict  # noqa: E402
 from tests.models import TinyGPT  # noqa: E402
 
 

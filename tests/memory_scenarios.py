@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from lightning_shard import shard_module
-from lightning_shard.estimate import estimate_memory
-from lightning_shard.memory_tracker import LiveBytes
+from lightning_shard.engine.shard_module import shard_module
+from lightning_shard.memory.estimate import estimate_memory
+from lightning_shard.memory.tracker import LiveBytes
 from tests import models
 
 

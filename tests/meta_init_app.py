@@ -17,8 +17,8 @@ import lightning as L
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lightning_shard import ShardStrategy  # noqa: E402
-from lightning_shard.bench_checkpoint import PeakRSS  # noqa: E402
-from lightning_shard.state_dict import full_state_dict  # noqa: E402
+from lightning_shard.tools.bench_checkpoint import PeakRSS  # noqa: E402
+from lightning_shard.checkpoint.full import full_state_dict  # noqa: E402
 
 WIDTH, HIDDEN, DEPTH = 1024, 2048, 24  # 100.8M parameters: 403 MB in fp32
 

@@ -11,9 +11,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lightning_shard import MixedPrecision, ShardStrategy  # noqa: E402
-from lightning_shard.data.text import CharTextDataModule  # noqa: E402
-from lightning_shard.models.gpt import GPT  # noqa: E402
-from lightning_shard.models.lit_lm import LitLanguageModel  # noqa: E402
+from lightning_shard.app.data.text import CharTextDataModule  # noqa: E402
+from lightning_shard.app.models.gpt import GPT  # noqa: E402
+from lightning_shard.app.models.lit_lm import LitLanguageModel  # noqa: E402
 
 RUNS = {
     "32-true": ("32-true", None),

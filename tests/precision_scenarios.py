@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_shard import shard_module
-from lightning_shard.precision import ShardedGradScaler
+from lightning_shard.engine.shard_module import shard_module
+from lightning_shard.lightning.precision import ShardedGradScaler
 from tests import models
 
 
@@ -40,7 +40,7 @@ def bf16_mixed_dtypes(rank: int, world: int):
         seen["optimizer_state"] = {v.dtype for s in opt.state.values() for k, v in s.items() if k != "step"}
         seen["stats"] = runtime.last_step_stats
         seen["padded"] = {u.name: u.storage.padded_numel for u in runtime.units}
-        seen["last"] = runtime._order[-1].name
+        seen["last"] = runtime.order[-1].name
         seen["loss"] = loss.item()
         report[name] = seen
     return report

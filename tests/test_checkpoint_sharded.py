@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from lightning_shard.consolidate import consolidate
+from lightning_shard.checkpoint.consolidate import consolidate
 from tests import checkpoint_scenarios as scenarios
 from tests.models import Odd, TinyGPT
 from tests.world import run_world
@@ -101,7 +101,7 @@ def test_damaged_or_foreign_checkpoints_fail_clearly_on_every_rank(tmp_path):
 def test_checkpoint_metadata_is_never_unpickled_freely(tmp_path):
     path = tmp_path / "ckpt"
     run_world(scenarios.save_then_continue, 1, "odd", {}, str(path))
-    from lightning_shard.checkpoint_files import CheckpointError, SafeReader
+    from lightning_shard.checkpoint.files import CheckpointError, SafeReader
 
     class Exploit:
         def __reduce__(self):
@@ -128,7 +128,7 @@ def test_a_save_killed_half_way_leaves_the_previous_checkpoint(tmp_path):
 
 
 def test_a_kill_between_the_two_renames_still_finds_a_complete_checkpoint(tmp_path):
-    from lightning_shard import checkpoint_files as files
+    from lightning_shard.checkpoint import files
 
     path = tmp_path / "last.ckpt"
     run_world(scenarios.save_then_continue, 1, "odd", {}, str(path))

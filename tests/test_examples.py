@@ -17,7 +17,7 @@ pytestmark = pytest.mark.timeout(900)
 def test_pretrained_minilm_embeds_paraphrases_closer_than_unrelated_text():
     from tokenizers import Tokenizer
 
-    from lightning_shard.models.minilm import MiniLMClassifier, minilm_dir
+    from lightning_shard.app.models.minilm import MiniLMClassifier, minilm_dir
 
     model = MiniLMClassifier.pretrained().eval()
     tokenizer = Tokenizer.from_file(str(minilm_dir() / "tokenizer.json"))

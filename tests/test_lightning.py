@@ -53,7 +53,7 @@ def test_fit_accumulate_norm_clip_resume_match_ddp(tmp_path):
     assert len(gathered) >= 12 and min(gathered) > 0
     assert results["full"]["comm"]["reduce_scatter_bytes"] > 0
     # the sharded checkpoint (a directory, one file per rank) consolidates into one the plain module loads
-    from lightning_shard.consolidate import consolidate
+    from lightning_shard.checkpoint.consolidate import consolidate
 
     assert sorted(p.name for p in (tmp_path / "full" / "last.ckpt").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     assert_loads_into_plain_module(consolidate(tmp_path / "full" / "last.ckpt"))

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_shard import shard_module
+from lightning_shard.engine.shard_module import shard_module
 from tests.models import TinyGPT
 
 APP = os.path.join(os.path.dirname(__file__), "meta_init_app.py")

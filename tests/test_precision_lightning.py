@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from lightning_shard.consolidate import consolidate
+from lightning_shard.checkpoint.consolidate import consolidate
 
 APP = os.path.join(os.path.dirname(__file__), "precision_app.py")
 pytestmark = pytest.mark.timeout(900)

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from lightning_shard import ShardStrategy, shard_module
-from lightning_shard.wrap import plan_units
+from lightning_shard.engine.plan import plan_units
 from tests import models
 
 
@@ -110,7 +110,7 @@ def test_single_process_module_matches_unsharded_training():
             models.TinyGPT.loss(model, batch, step).backward()
             opt.step()
             opt.zero_grad()
-    from lightning_shard.state_dict import full_state_dict
+    from lightning_shard.checkpoint.full import full_state_dict
 
     for key, value in reference.state_dict().items():
         torch.testing.assert_close(full_state_dict(sharded._shard_runtime)[key], value)

@@ -1,0 +1,59 @@
+"""``python -m lightning_shard.estimate [Hydra overrides]``: one rank's memory peak for a training config
+(its model, one batch of its data, its strategy, precision and world size), before anything is allocated."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import torch
+
+from lightning_shard.memory.estimate import MemoryEstimate, estimate_memory
+
+
+def estimate_config(cfg: Any) -> tuple[MemoryEstimate, int]:
+    """The estimate for a composed training config (``conf/``): its model, one batch of its data, its strategy,
+    precision and world size. Returns the estimate and the world size."""
+    from hydra.utils import instantiate
+
+    from lightning_shard.app.train import build_data_and_model
+    from lightning_shard.lightning.precision import ShardPrecision
+
+    with torch.device("meta"):  # the model's parameters are never allocated
+        data, module = build_data_and_model(cfg)
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    strategy = instantiate(cfg.strategy)
+    precision = str(cfg.precision)
+    policy = strategy.mixed_precision or ShardPrecision(precision).policy
+    world = int(cfg.trainer.devices) * int(cfg.trainer.get("num_nodes", 1))
+    optimizer = getattr(torch.optim, str(cfg.get("optimizer", "AdamW")))
+    estimate = estimate_memory(
+        module, world, sharding=strategy.sharding, units=strategy.units, unit_size=strategy.unit_size,
+        prefetch=strategy.prefetch, param_dtype=policy.param_dtype,
+        master_dtype=torch.bfloat16 if precision == "bf16-true" else None, optimizer=optimizer,
+        step=lambda m, b: m.training_step(b, 0), batch=batch,
+        activation_checkpointing=strategy.activation_checkpointing,
+        device="cuda" if cfg.trainer.accelerator in ("gpu", "cuda") else "cpu",
+    )
+    return estimate, world
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """``python -m lightning_shard.estimate [Hydra overrides]``: per-rank peak for the training config."""
+    import sys
+    import warnings
+
+    from hydra import compose, initialize_config_dir
+
+    from lightning_shard.app.train import CONF_DIR
+
+    overrides = list(sys.argv[1:] if argv is None else argv)
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose(config_name="config", overrides=overrides)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # self.log() without a Trainer, in the model's training_step
+        estimate, world = estimate_config(cfg)
+    print(f"lightning_shard memory estimate per rank ({world} ranks, {' '.join(overrides) or 'defaults'}):")
+    print(estimate.table())
+

@@ -1,0 +1,100 @@
+"""Training entry point: compose the Hydra config, then build data, model, strategy and Trainer, fit
+and test, writing logs, checkpoints and summary.json into the job's Hydra output dir.
+
+    python -m lightning_shard.train strategy=grad_op strategy.unit_size=2000000 trainer.devices=2 precision=bf16-mixed
+    python -m lightning_shard.train -m strategy.unit_size=200000,400000,800000
+
+Note: the ranks of a job are spawned here, by the job itself, with the rendezvous in their environment.
+Lightning's own launcher would re-run the command line for every rank, and under ``-m`` that re-runs the
+whole sweep with stray output dirs (lightning-hydra-template#393); spawned ranks never see Hydra.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from typing import Any, Optional
+
+import hydra
+import torch
+import torch.multiprocessing as mp
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from lightning_shard.lightning.precision import SUPPORTED_PRECISION
+
+CONF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf")  # inside the package: found by any install
+
+
+def build_data_and_model(cfg: DictConfig) -> tuple[Any, Any]:
+    """Instantiate the data module, then the LightningModule (whose vocabulary may come from the data)."""
+    data = instantiate(cfg.data)
+    model_cfg = cfg.model
+    if "model" in model_cfg and OmegaConf.is_missing(model_cfg.model, "vocab_size"):  # known once data is built
+        model_cfg = OmegaConf.merge(model_cfg, {"model": {"vocab_size": data.vocab_size}})
+    return data, instantiate(model_cfg)
+
+
+def build(cfg: DictConfig) -> tuple[Any, Any, Any]:
+    """Instantiate data, model and Trainer from a resolved config."""
+    import lightning as L
+
+    L.seed_everything(cfg.seed, workers=True)
+    data, module = build_data_and_model(cfg)
+    callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
+    loggers = [instantiate(c) for c in (cfg.get("logger") or {}).values() if c is not None]
+    trainer = instantiate(cfg.trainer, strategy=instantiate(cfg.strategy), callbacks=callbacks, logger=loggers or False)
+    return data, module, trainer
+
+
+def run(cfg: DictConfig) -> Optional[float]:
+    data, module, trainer = build(cfg)
+    trainer.fit(module, data, ckpt_path=cfg.get("ckpt_path"))
+    if cfg.get("test"):
+        trainer.test(module, data, verbose=False)
+    value = trainer.callback_metrics.get("val_loss")
+    return float(value) if value is not None else None
+
+
+def _rank_main(local_rank: int, world: int, port: int, resolved: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), NODE_RANK="0",
+                      LOCAL_RANK=str(local_rank), RANK=str(local_rank))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    run(OmegaConf.create(resolved))
+
+
+def _local_world_size(trainer_cfg: DictConfig) -> int:
+    """Processes to spawn on this machine; 1 when a cluster launcher (torchrun, SLURM) starts them."""
+    if trainer_cfg.get("num_nodes", 1) != 1 or "LOCAL_RANK" in os.environ:
+        return 1
+    devices = trainer_cfg.get("devices", 1)
+    if trainer_cfg.accelerator in ("gpu", "cuda") and devices == -1:
+        return torch.cuda.device_count()
+    return int(devices) if isinstance(devices, int) else 1
+
+
+def _check_before_launch(cfg: DictConfig) -> None:
+    """Bad values fail here, with the option's own message, before any rank starts."""
+    instantiate(cfg.strategy)
+    if cfg.precision not in SUPPORTED_PRECISION:
+        raise ValueError(f"`precision` must be one of {', '.join(SUPPORTED_PRECISION)}; got {cfg.precision!r}.")
+
+
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
+def main(cfg: DictConfig) -> Optional[float]:
+    _check_before_launch(cfg)
+    resolved = OmegaConf.to_container(cfg, resolve=True)  # ranks have no Hydra context to resolve ${hydra:...}
+    world = _local_world_size(cfg.trainer)
+    if world > 1:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mp.start_processes(_rank_main, args=(world, port, resolved), nprocs=world, start_method="spawn")
+        summary = os.path.join(HydraConfig.get().runtime.output_dir, "summary.json")
+        if os.path.exists(summary):
+            with open(summary) as f:
+                return json.load(f).get("final_val_loss")
+        return None
+    return run(OmegaConf.create(resolved))

@@ -1,0 +1,151 @@
+"""Full (unsharded) model and optimizer state dicts in torch's ordinary format, gathered one unit at a time:
+no rank ever holds the whole model at once beyond the result it returns.
+
+The optimizer sees shard parameters, so its state tensors are 1-D slices of the full state. Any
+optimizer whose state is elementwise (SGD, Adam, AdamW, RMSprop, Adagrad, ...) round-trips exactly;
+a non-elementwise tensor state is refused with a clear error rather than silently mangled.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_shard.checkpoint.weights import TensorSource, load_into
+from lightning_shard.engine import collectives
+from lightning_shard.engine.flat_shard import FlatShard
+from lightning_shard.engine.hooks import ShardRuntime
+
+
+def gather_master(runtime: ShardRuntime, storage: FlatShard) -> Tensor:
+    """The unit's full flat buffer of master values (padded), on every rank."""
+    if storage.world_size == 1:
+        return storage.shard
+    out = storage.shard.new_empty(storage.padded_numel)
+    return collectives.all_gather(out, storage.shard, runtime.group, runtime.stats).wait()
+
+
+@torch.no_grad()
+def full_state_dict(runtime: ShardRuntime, rank0_only: bool = True) -> dict[str, Tensor]:
+    """The state dict of the unsharded module, on CPU, with the original names and shapes.
+
+    Every rank must call it (it all-gathers); with ``rank0_only`` other ranks get ``{}``.
+    """
+    keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
+    state = runtime.root.state_dict() if keep else {}
+    for unit in runtime.units:
+        flat = gather_master(runtime, unit.storage)
+        if not keep:
+            continue
+        for slot in unit.storage.slots:
+            value = flat[slot.offset : slot.offset + slot.numel].view(slot.shape).cpu().clone()
+            for name in slot.names:
+                if name in state:
+                    state[name] = value
+    return {k: v.detach().cpu() for k, v in state.items()} if keep else {}
+
+
+def load_full_state_dict(runtime: ShardRuntime, state: Mapping[str, Tensor], strict: bool = True) -> None:
+    """Load an unsharded state dict: each rank copies only the slices its shards own."""
+    load_into(runtime, TensorSource(state), strict=strict)
+
+
+def _param_index(runtime: ShardRuntime, optimizer: Optimizer) -> dict[int, tuple[int, int, int]]:
+    """id(shard param) -> (optimizer param index, unit index, slot index)."""
+    where = {
+        id(p): (u, s) for u, unit in enumerate(runtime.units) for s, p in enumerate(unit.storage.shard_params)
+    }
+    index = {}
+    for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"]):
+        if id(p) not in where:
+            raise ValueError(
+                "The optimizer holds a parameter that is not one of the sharded model's parameters; build the"
+                " optimizer in `configure_optimizers` from `self.parameters()` / `self.named_parameters()`."
+            )
+        index[id(p)] = (i, *where[id(p)])
+    return index
+
+
+def _is_elementwise(value: Any, param: Tensor, name: str) -> bool:
+    if not isinstance(value, Tensor) or value.dim() == 0:
+        return False
+    if value.shape != param.shape:
+        raise ValueError(
+            f"Optimizer state {name!r} has shape {tuple(value.shape)} for a parameter shard of shape"
+            f" {tuple(param.shape)}: only elementwise optimizer states can be sharded."
+        )
+    return True
+
+
+@torch.no_grad()
+def full_optimizer_state_dict(runtime: ShardRuntime, optimizer: Optimizer, rank0_only: bool = True) -> dict:
+    """Every rank must call it; returns the state as ``optimizer.state_dict()`` on the unsharded model."""
+    keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
+    local = optimizer.state_dict()
+    index = _param_index(runtime, optimizer)
+    state: dict[int, dict[str, Any]] = {}
+    for unit in runtime.units:
+        storage = unit.storage
+        entries = [(s, p) for s, p in enumerate(storage.shard_params) if id(p) in index and p in optimizer.state]
+        keys = sorted({k for _, p in entries for k in optimizer.state[p]})
+        for key in keys:
+            elementwise = [s for s, p in entries if key in optimizer.state[p]
+                           and _is_elementwise(optimizer.state[p][key], p, key)]
+            if elementwise:
+                sample = optimizer.state[storage.shard_params[elementwise[0]]][key]
+                flat = storage.shard.new_zeros(storage.shard_numel, dtype=sample.dtype)
+                for s in elementwise:
+                    lo, hi = storage.shard_range(storage.slots[s])
+                    flat[lo:hi] = optimizer.state[storage.shard_params[s]][key]
+                full = _gather(runtime, flat) if storage.world_size > 1 else flat
+            for s, p in entries:
+                if key not in optimizer.state[p]:
+                    continue
+                slot = storage.slots[s]
+                value = optimizer.state[p][key]
+                if s in elementwise:
+                    value = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
+                state.setdefault(index[id(p)][0], {})[key] = _to_cpu(value)
+    if not keep:
+        return {}
+    return {"state": dict(sorted(state.items())), "param_groups": local["param_groups"]}
+
+
+def _gather(runtime: ShardRuntime, flat: Tensor) -> Tensor:
+    out = flat.new_empty(flat.numel() * dist.get_world_size(runtime.group))
+    return collectives.all_gather(out, flat, runtime.group, runtime.stats).wait()
+
+
+def _to_cpu(value: Any) -> Any:
+    return value.detach().cpu().clone() if isinstance(value, Tensor) else copy.deepcopy(value)
+
+
+@torch.no_grad()
+def load_full_optimizer_state_dict(runtime: ShardRuntime, optimizer: Optimizer, full: dict) -> None:
+    """Load a full optimizer state dict: each rank keeps only its slices."""
+    index = _param_index(runtime, optimizer)
+    n_params = sum(len(g["params"]) for g in optimizer.param_groups)
+    n_saved = sum(len(g["params"]) for g in full["param_groups"])
+    if n_saved != n_params:
+        raise ValueError(f"Optimizer state holds {n_saved} parameters but the optimizer has {n_params}.")
+    state = {}
+    for i, u, s in index.values():
+        saved = full["state"].get(i)
+        if saved is None:
+            continue
+        storage = runtime.units[u].storage
+        slot = storage.slots[s]
+        start, end = storage.param_range(slot, storage.rank)
+        local = {}
+        for key, value in saved.items():
+            if isinstance(value, Tensor) and value.shape == slot.shape and value.dim() > 0:
+                value = value.reshape(-1)[start:end].clone()  # not a view of a mapped file
+            local[key] = value
+        state[i] = local
+    optimizer.load_state_dict({"state": state, "param_groups": full["param_groups"]})

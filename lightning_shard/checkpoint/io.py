@@ -1,0 +1,118 @@
+"""Saving and opening Lightning checkpoints of a sharded model, in either format.
+
+* **sharded** (a directory): every rank writes the shards it owns with ``torch.distributed.checkpoint``;
+  rank 0 adds ``meta.pt`` (loops, schedulers, callbacks, optimizer groups) and the manifest.
+* **full** (one file): rank 0 writes an ordinary Lightning checkpoint, gathered one unit at a time.
+
+Both are written beside the target and moved into place only when complete, and both are checked before
+anything is loaded from them. Opening reads only what each rank owns: a sharded checkpoint by DCP's
+slicing, a full file through a memory map.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import Metadata
+
+from lightning_shard.checkpoint import files
+from lightning_shard.checkpoint import sharded
+
+STATE_DICT_TYPES = ("sharded", "full")
+
+
+def validate_state_dict_type(value: object) -> str:
+    if value not in STATE_DICT_TYPES:
+        raise ValueError(f"`state_dict_type` must be one of {', '.join(map(repr, STATE_DICT_TYPES))}; got {value!r}.")
+    return value  # type: ignore[return-value]
+
+
+@dataclass
+class ShardedSource:
+    """Stands in for the model state of a checkpoint opened from a directory; loading reads from it."""
+
+    directory: Path
+    metadata: Metadata
+
+
+def save_sharded(checkpoint: dict[str, Any], path: Path, group: Optional[dist.ProcessGroup] = None) -> None:
+    """Every rank calls this with its own ``checkpoint`` (as built by ``lightning_module_state_dict`` and
+    ``optimizer_state`` in sharded mode). A failure anywhere, a dead rank included, raises on every rank
+    that is still alive, within the process group timeout."""
+    try:
+        _save_sharded(checkpoint, path, group)
+    except Exception as err:
+        raise OSError(f"lightning_shard: saving the checkpoint {str(path)!r} failed ({err}); any previous"
+                      " checkpoint at that path is intact.") from err
+
+
+def _save_sharded(checkpoint: dict[str, Any], path: Path, group: Optional[dist.ProcessGroup]) -> None:
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    partial = files.partial_path(path)
+    _all_succeed(lambda: files.begin(path) if rank == 0 else None, group)
+
+    items = {sharded.MODEL_PREFIX + k: v for k, v in checkpoint.pop("state_dict").items()}
+    optimizer_meta = []
+    for i, state in enumerate(checkpoint.pop("optimizer_states", [])):
+        items.update({sharded.optimizer_prefix(i) + k: v for k, v in state["tensors"].items()})
+        optimizer_meta.append({k: v for k, v in state.items() if k != "tensors"})
+    checkpoint["optimizer_states"] = optimizer_meta
+    sharded.save(items, partial)  # collective: a failure on any rank raises on every rank
+    everyone = _all_succeed(lambda: files.checksums(partial, sharded.rank_files(partial, rank)), group)
+
+    def write_meta_and_commit() -> None:
+        if rank == 0:
+            torch.save(checkpoint, partial / files.META)
+            files.finish(path, {k: v for theirs in everyone for k, v in theirs.items()}, world)
+
+    _all_succeed(write_meta_and_commit, group)
+
+
+def _all_succeed(step: Callable[[], Any], group: Optional[dist.ProcessGroup]) -> list[Any]:
+    """Run ``step`` on every rank and return every rank's result; if it failed anywhere, raise on every
+    rank, naming each failure."""
+    try:
+        outcome = (step(), None)
+    except Exception as err:  # noqa: BLE001 - shared below, then raised
+        outcome = (None, f"rank {dist.get_rank(group)}: {err!r}")
+    everyone = files.from_every_rank(outcome, group)
+    failures = [error for _, error in everyone if error]
+    if failures:
+        raise OSError("; ".join(failures))
+    return [result for result, _ in everyone]
+
+
+def save_full(checkpoint: dict[str, Any], path: Path, io: Any, storage_options: Optional[Any] = None) -> None:
+    """Rank 0 only: write beside the target, then move into place. ``io`` is a Lightning ``CheckpointIO``."""
+    if "://" in str(path):  # remote storage: no rename; rely on the CheckpointIO
+        return io.save_checkpoint(checkpoint, str(path), storage_options=storage_options)
+    partial = files.partial_path(path)
+    try:
+        io.save_checkpoint(checkpoint, str(partial), storage_options=storage_options)
+        files.commit(partial, path)
+    except BaseException as err:
+        if partial.is_file():
+            os.remove(partial)
+        raise OSError(f"lightning_shard: saving the checkpoint {str(path)!r} failed ({err}); any previous"
+                      " checkpoint at that path is intact.") from err
+
+
+def open_checkpoint(path: Path, group: Optional[dist.ProcessGroup] = None) -> dict[str, Any]:
+    """Check a checkpoint (every rank must call) and return its contents for Lightning to restore from.
+
+    A full file is memory-mapped: ranks copy out only their slices. A directory yields its ``meta.pt``
+    with a ``ShardedSource`` as ``state_dict``; model and optimizer shards are read when restored.
+    """
+    resolved = files.resolve(path)
+    if resolved.is_file():
+        files.verify_full_file(resolved, group)
+        return files.load_weights(resolved, "checkpoint", mmap=True)
+    files.verify_directory(resolved, group)
+    checkpoint = files.load_weights(resolved / files.META, "checkpoint metadata")
+    checkpoint["state_dict"] = ShardedSource(resolved, sharded.read_metadata(resolved))
+    return checkpoint

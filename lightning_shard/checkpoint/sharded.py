@@ -1,0 +1,226 @@
+"""Sharded model and optimizer state, written and read with ``torch.distributed.checkpoint``.
+
+Each rank offers views of the shards it owns (see ``sharded_tensors``), keyed by parameter name:
+
+* ``state_dict.<name>``: parameters in their own shapes, and buffers;
+* ``optimizer_<i>.state.<name>.<key>``: elementwise optimizer states (sharded like their parameter)
+  and per-parameter scalars such as Adam's ``step``.
+
+Parameter groups and other non-tensor optimizer state travel in the checkpoint's ``meta.pt`` with the
+parameters named, not numbered. Nothing refers to ranks, world size or units, so a checkpoint saved on N
+ranks loads on M ranks under another unit policy, each rank reading only the slices it owns.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Union
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import Tensor
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.optim import Optimizer
+
+from lightning_shard.checkpoint.files import CheckpointError, SafeReader
+from lightning_shard.checkpoint.sharded_tensors import sharded_view
+from lightning_shard.engine.flat_shard import FlatShard, ParamSlot
+from lightning_shard.engine.hooks import ShardRuntime
+
+MODEL_PREFIX = "state_dict."
+
+
+def optimizer_prefix(index: int) -> str:
+    return f"optimizer_{index}.state."
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """DCP warns on every touch of a ShardedTensor that it prefers DTensor; our layout has no DTensor form."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*ShardedTensor.*", category=FutureWarning)
+        yield
+
+
+def _slots(runtime: ShardRuntime) -> Iterator[tuple[FlatShard, ParamSlot, Tensor]]:
+    for unit in runtime.units:
+        for slot, param in zip(unit.storage.slots, unit.storage.shard_params):
+            yield unit.storage, slot, param
+
+
+def _view(storage: FlatShard, slot: ParamSlot, local: Tensor) -> Any:
+    ranges = [storage.param_range(slot, r) for r in range(storage.world_size)]
+    return sharded_view(slot.shape, ranges, storage.rank, local)
+
+
+def _buffers(runtime: ShardRuntime) -> dict[str, Tensor]:
+    params = {name for _, slot, _ in _slots(runtime) for name in slot.names}
+    return {k: v for k, v in runtime.root.state_dict().items() if k not in params}
+
+
+# -- model ------------------------------------------------------------------------------------------
+def model_state(runtime: ShardRuntime) -> dict[str, Any]:
+    """This rank's part of the model state by parameter and buffer name, as DCP items (views, no copies)."""
+    items: dict[str, Any] = {}
+    with _quiet():
+        for storage, slot, param in _slots(runtime):
+            view = _view(storage, slot, param.detach())
+            if view is not None:
+                items.update({name: view for name in slot.names})
+    items.update(_buffers(runtime))
+    return items
+
+
+def model_shapes(runtime: ShardRuntime) -> dict[str, torch.Size]:
+    shapes = {name: slot.shape for _, slot, _ in _slots(runtime) for name in slot.names}
+    shapes.update({k: v.shape for k, v in _buffers(runtime).items() if isinstance(v, Tensor)})
+    return shapes
+
+
+def check_model_matches(metadata: Metadata, runtime: ShardRuntime, where: Path, strict: bool) -> None:
+    saved = {k[len(MODEL_PREFIX):]: md for k, md in metadata.state_dict_metadata.items() if k.startswith(MODEL_PREFIX)}
+    expected = model_shapes(runtime)
+    wrong = [f"{name!r}: checkpoint {tuple(saved[name].size)}, model {tuple(shape)}"
+             for name, shape in expected.items()
+             if name in saved and isinstance(saved[name], TensorStorageMetadata) and saved[name].size != shape]
+    if wrong:
+        raise CheckpointError(f"Checkpoint {str(where)!r} does not fit the model, shapes differ: {_few(wrong)}")
+    missing, unexpected = sorted(set(expected) - set(saved)), sorted(set(saved) - set(expected))
+    if strict and (missing or unexpected):
+        raise CheckpointError(
+            f"Checkpoint {str(where)!r} does not fit the model: missing from the checkpoint {_few(missing)},"
+            f" not in the model {_few(unexpected)}. (Pass strict=False / `strict_loading = False` to load the overlap.)"
+        )
+
+
+def _few(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(names[:limit])
+    return f"[{shown}{f', ... ({len(names)} in all)' if len(names) > limit else ''}]"
+
+
+@torch.no_grad()
+def load_model_state(runtime: ShardRuntime, directory: Path, metadata: Metadata, strict: bool = True) -> None:
+    check_model_matches(metadata, runtime, directory, strict)
+    items = {MODEL_PREFIX + k: v for k, v in model_state(runtime).items()}
+    items = {k: v for k, v in items.items() if k in metadata.state_dict_metadata}
+    _load(items, directory)
+    runtime.refresh_gathered()
+
+
+# -- optimizer --------------------------------------------------------------------------------------
+def _param_names(runtime: ShardRuntime) -> dict[int, tuple[FlatShard, ParamSlot, str]]:
+    return {id(param): (storage, slot, slot.names[0]) for storage, slot, param in _slots(runtime)}
+
+
+def _named_groups(optimizer: Optimizer, names: dict[int, tuple[FlatShard, ParamSlot, str]]) -> list[dict[str, Any]]:
+    groups = []
+    for group in optimizer.param_groups:
+        unknown = [p for p in group["params"] if id(p) not in names]
+        if unknown:
+            raise ValueError(
+                "The optimizer holds a parameter that is not one of the sharded model's parameters; build the"
+                " optimizer in `configure_optimizers` from `self.parameters()` / `self.named_parameters()`."
+            )
+        groups.append({**{k: v for k, v in group.items() if k != "params"},
+                       "params": [names[id(p)][2] for p in group["params"]]})
+    return groups
+
+
+def optimizer_state(runtime: ShardRuntime, optimizer: Optimizer) -> dict[str, Any]:
+    """This rank's part of the optimizer state: ``tensors`` (DCP items, views) and the small rest."""
+    names = _param_names(runtime)
+    tensors: dict[str, Any] = {}
+    elementwise: set[str] = set()
+    other: dict[str, dict[str, Any]] = {}
+    with _quiet():
+        for param, state in optimizer.state.items():
+            storage, slot, name = names[id(param)]
+            for key, value in state.items():
+                if isinstance(value, Tensor) and value.dim() > 0 and value.shape == param.shape:
+                    elementwise.add(key)
+                    view = _view(storage, slot, value.detach())
+                    if view is not None:
+                        tensors[f"{name}.{key}"] = view
+                elif isinstance(value, Tensor) and value.dim() == 0:
+                    tensors[f"{name}.{key}"] = value.detach()
+                elif isinstance(value, Tensor):
+                    raise ValueError(f"Optimizer state {key!r} of {name!r} has shape {tuple(value.shape)} for a shard"
+                                     f" of shape {tuple(param.shape)}: only elementwise optimizer states can be sharded.")
+                else:
+                    other.setdefault(name, {})[key] = value
+    return {"tensors": tensors, "param_groups": _named_groups(optimizer, names),
+            "elementwise": sorted(elementwise), "other": other}
+
+
+@torch.no_grad()
+def load_optimizer_state(
+    runtime: ShardRuntime, optimizer: Optimizer, index: int, saved: dict[str, Any], directory: Path, metadata: Metadata
+) -> None:
+    """Rebuild ``optimizer``'s state from checkpoint ``directory``: each rank reads the slices it owns."""
+    names = _param_names(runtime)
+    groups = _named_groups(optimizer, names)
+    saved_groups = saved["param_groups"]
+    if [g["params"] for g in groups] != [g["params"] for g in saved_groups]:
+        raise CheckpointError(
+            f"Optimizer {index} of checkpoint {str(directory)!r} has other parameter groups than the optimizer"
+            f" being restored: saved {[len(g['params']) for g in saved_groups]} parameters per group, now"
+            f" {[len(g['params']) for g in groups]}; first saved names {[g['params'][:2] for g in saved_groups]}."
+        )
+    prefix = optimizer_prefix(index)
+    available: dict[str, dict[str, Any]] = {}  # parameter name -> {state key: metadata}
+    for k, md in metadata.state_dict_metadata.items():
+        if k.startswith(prefix):
+            name, key = k[len(prefix):].rsplit(".", 1)
+            available.setdefault(name, {})[key] = md
+    elementwise = set(saved["elementwise"])
+    items: dict[str, Any] = {}
+    state: dict[int, dict[str, Any]] = {}
+    position = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+    with _quiet():
+        for pid, i in position.items():
+            storage, slot, name = names[pid]
+            entry = dict(saved["other"].get(name, {}))
+            for key, md in available.get(name, {}).items():
+                if key in elementwise:
+                    lo, hi = storage.shard_range(slot)
+                    local = torch.zeros(hi - lo, dtype=md.properties.dtype, device=storage.shard.device)
+                    view = _view(storage, slot, local)
+                    if view is not None:
+                        items[f"{prefix}{name}.{key}"] = view
+                else:
+                    local = torch.zeros(md.size, dtype=md.properties.dtype)
+                    items[f"{prefix}{name}.{key}"] = local
+                entry[key] = local
+            if entry:
+                state[i] = entry
+    _load(items, directory)
+    optimizer.load_state_dict({
+        "state": state,
+        "param_groups": [{**s, "params": [position[id(p)] for p in g["params"]]}
+                         for s, g in zip(saved_groups, optimizer.param_groups)],
+    })
+
+
+# -- DCP calls --------------------------------------------------------------------------------------
+def save(items: dict[str, Any], directory: Path) -> None:
+    writer = FileSystemWriter(str(directory), single_file_per_rank=True, sync_files=True, thread_count=1)
+    with _quiet():
+        dcp.save(items, storage_writer=writer)
+
+
+def _load(items: dict[str, Any], directory: Path) -> None:
+    with _quiet():
+        dcp.load(items, storage_reader=SafeReader(str(directory)))
+
+
+def read_metadata(directory: Union[str, Path]) -> Metadata:
+    return SafeReader(str(directory)).read_metadata()
+
+
+def rank_files(directory: Path, rank: int) -> list[str]:
+    """The data files this rank wrote (DCP names them ``__<rank>_<n>.distcp``)."""
+    return sorted(p.name for p in directory.glob(f"__{rank}_*.distcp"))

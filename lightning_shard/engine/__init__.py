@@ -1,0 +1,15 @@
+"""The sharding engine: plain torch and ``torch.distributed``, no Lightning. One file per step of a unit's life:
+
+    plan.py           which modules form a unit (by class, by parameter budget)
+    flat_shard.py     a unit's parameters as one flat buffer, 1/N of it owned per rank
+    shard_module.py   cut a module into units and shard them (the engine's entry point)
+    materialize.py    build units from meta-device modules, one at a time
+    unit.py           a unit and its state during a step
+    gather.py         forward/backward all-gather, prefetch and free (the gather schedule)
+    elision.py        which units backward needs re-gathered (what autograd saved)
+    reduce.py         gradient reduce-scatter, bounded in flight, accumulation without sync
+    hooks.py          the module and autograd hooks that drive all of the above, one step at a time
+    norms.py          global gradient norm and clipping over the shards
+    collectives.py    the collectives, with error text and communication figures
+    activation_checkpointing.py   recompute a unit's members in backward
+"""

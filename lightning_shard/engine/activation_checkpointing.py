@@ -1,0 +1,115 @@
+"""Activation checkpointing per unit: a module's forward runs under ``torch.utils.checkpoint`` and is
+recomputed in backward.
+
+Note: the wrapper goes *inside* the unit's hooks (it replaces the module's ``forward``, so names and state
+dicts do not change): the pre-forward hook gathers the unit, the checkpointed forward keeps only its
+inputs, and the post-forward hook frees the unit. In backward the unit's pre-backward gathers it once,
+and the recomputation and the unit's own backward both use that gather. The recomputation calls the
+original ``forward`` directly, so no unit hook fires inside it; a module holding another unit's members
+would recompute them ungathered, and is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+
+import torch
+import torch.utils.checkpoint
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from lightning_shard.engine.plan import UnitSpec, class_matches, validate_units
+
+if TYPE_CHECKING:
+    from lightning_shard.engine.unit import Unit
+
+CheckpointSpec = Union[bool, UnitSpec, Sequence[UnitSpec], None]
+
+
+def validate_activation_checkpointing(spec: object) -> Union[bool, tuple[UnitSpec, ...]]:
+    """``True`` (every unit), ``False``/``None`` (off), or module classes / class names."""
+    if spec is None or isinstance(spec, bool):
+        return bool(spec)
+    specs = None
+    if isinstance(spec, (str, type, list, tuple)):
+        try:
+            specs = validate_units(spec)  # type: ignore[arg-type]
+        except TypeError:
+            pass
+    if not specs or "" in specs:
+        raise ValueError(
+            "`activation_checkpointing` must be True (every unit), False, or module classes / class names"
+            f" (e.g. ['Block']); got {spec!r}."
+        )
+    return specs
+
+
+def checkpoint_targets(
+    root: nn.Module, unit_members: list[list[nn.Module]], spec: Union[bool, tuple[UnitSpec, ...]]
+) -> list[tuple[str, nn.Module]]:
+    """The modules to checkpoint, by name; ``unit_members`` are the members of each unit but the root's."""
+    if not spec:
+        return []
+    names = {id(m): name for name, m in root.named_modules()}
+    if spec is True:
+        targets = [m for members in unit_members for m in members]
+    else:
+        targets = [m for m in root.modules() if m is not root and class_matches(m, spec)]
+        if not targets:
+            raise ValueError(f"`activation_checkpointing` {list(spec)!r} matches no module of {type(root).__name__}.")
+    member_names = {id(m): ",".join(names[id(x)] for x in members) for members in unit_members for m in members}
+    for module in targets:
+        inner = [member_names[id(m)] for m in module.modules() if m is not module and id(m) in member_names]
+        if inner:
+            raise ValueError(
+                f"activation_checkpointing: module {names[id(module)]!r} ({type(module).__name__}) contains unit"
+                f" {inner[0]!r}; checkpoint modules that lie within one unit (e.g. the unit classes themselves)."
+            )
+    return [(names[id(m)], m) for m in targets]
+
+
+def checkpoint_modules(
+    root: nn.Module, units: list["Unit"], root_unit: Optional["Unit"], spec: Union[bool, tuple[UnitSpec, ...]]
+) -> list[Callable[[], None]]:
+    """Checkpoint the chosen modules; mark the units they read as needed in backward. Returns undo functions."""
+    targets = checkpoint_targets(root, [unit.members for unit in units if unit is not root_unit], spec)
+    owners = _owning_units(units)
+    for _name, module in targets:
+        for sub in module.modules():
+            for unit in owners.get(id(sub), ()):
+                unit.checkpointed = True  # its parameters are needed again by the recomputation
+    return [wrap_forward(module) for _name, module in targets]
+
+
+def wrap_forward(module: nn.Module) -> Callable[[], None]:
+    forward = module.forward
+
+    def checkpointed_forward(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        # Each tensor goes in once. Under saved-tensor hooks (ours, for backward elision) the recomputation
+        # gets a fresh object per input, so `attn(h, h, h)` would no longer see `query is key` and would
+        # take another path than in forward.
+        flat, spec = tree_flatten((args, kwargs))
+        tensors = list({id(x): x for x in flat if isinstance(x, Tensor)}.values())
+
+        def run(*inputs: Tensor) -> Any:
+            given = dict(zip(map(id, tensors), inputs))
+            call_args, call_kwargs = tree_unflatten([given.get(id(x), x) for x in flat], spec)
+            return forward(*call_args, **call_kwargs)
+
+        return torch.utils.checkpoint.checkpoint(run, *tensors, use_reentrant=False)
+
+    module.forward = checkpointed_forward  # type: ignore[method-assign]
+    return lambda: delattr(module, "forward")
+
+
+def _owning_units(units: list["Unit"]) -> dict[int, list["Unit"]]:
+    """Module id -> the units owning a parameter registered on that module."""
+    owners: dict[int, list["Unit"]] = {}
+    for unit in units:
+        for slot in unit.storage.slots:
+            for module, _attr in slot.locations:
+                owners.setdefault(id(module), []).append(unit)
+    return owners

@@ -1,0 +1,134 @@
+"""The gather schedule: all-gather a unit's parameters before it runs, prefetch the next ones, free them after.
+
+Prefetch follows the order in which units ran on the previous step (forward, then the same order reversed
+for backward): while one unit computes, the all-gathers of the next ``prefetch`` units are in flight, so at
+most ``1 + prefetch`` units are gathered at once under ``full`` sharding (plus the root unit).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Callable, Optional
+
+import torch.distributed as dist
+
+from lightning_shard.engine import collectives
+from lightning_shard.engine.collectives import CommStats
+from lightning_shard.engine.unit import Unit
+
+
+class GatherSchedule:
+    def __init__(self, group: Optional[dist.ProcessGroup], stats: CommStats, prefetch: int) -> None:
+        self.group = group
+        self.stats = stats
+        self.prefetch = prefetch
+        self.gathered_bytes = 0  # bytes of gathered buffers alive now (root included)
+        self.peak_gathered_bytes = 0
+        self.trace: Optional[list[tuple[str, str]]] = None  # (collective, unit) in issue order, for tests
+        self.order: list[Unit] = []  # forward order of units recorded on the previous step
+        self._current_order: list[Unit] = []
+        self._forward_cursor = 0
+        self._backward_cursor = 0
+        self._warned_order_change = False
+        self._gathered_storage: dict[int, Unit] = {}  # data pointer of a gathered buffer -> its unit
+
+    def note(self, op: str, unit: Unit) -> None:
+        if self.trace is not None:
+            self.trace.append((op, unit.name))
+
+    # -- one unit -----------------------------------------------------------------------------------
+    def launch(self, unit: Unit) -> None:
+        """Start the unit's all-gather without waiting for it."""
+        if unit.is_gathered or unit.inflight is not None or unit.storage.aliases_shard:
+            return
+        storage = unit.storage
+        self.note("all_gather", unit)
+        if not storage.is_allocated:  # a refresh (after an optimizer step) reuses its buffer
+            self.gathered_bytes += storage.gathered_nbytes
+            self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
+        unit.inflight = collectives.all_gather(
+            storage.allocate(), storage.shard_for_gather(), self.group, self.stats, async_op=True,
+            label=f"all-gather of unit {unit.name!r}",
+        )
+
+    def gather(self, unit: Unit) -> None:
+        if unit.is_gathered:
+            return
+        self.launch(unit)
+        if unit.inflight is not None:
+            unit.inflight.wait()
+            unit.inflight = None
+        unit.storage.use_gathered()
+        unit.is_gathered = True
+        if not unit.storage.aliases_shard:
+            self._gathered_storage[unit.storage.gathered.untyped_storage().data_ptr()] = unit
+
+    def reshard(self, unit: Unit) -> None:
+        if unit.inflight is not None:  # never free a buffer a collective is still writing
+            unit.inflight.wait()
+            unit.inflight = None
+        if unit.is_gathered:
+            unit.storage.use_shards()
+            unit.is_gathered = False
+            self._gathered_storage.pop(unit.storage.gathered.untyped_storage().data_ptr(), None)
+        if unit.storage.is_allocated and not unit.storage.aliases_shard:
+            self.gathered_bytes -= unit.storage.gathered_nbytes
+            unit.storage.free()
+
+    def refresh(self, units: list[Unit]) -> None:
+        """Re-gather the units held gathered, after their shards changed (optimizer step, loading)."""
+        for unit in units:
+            if unit.is_gathered and not unit.storage.aliases_shard:
+                unit.is_gathered = False
+                self.gather(unit)
+
+    def unit_of_storage(self, data_ptr: int) -> Optional[Unit]:
+        """The unit whose gathered buffer lives at ``data_ptr``, if any."""
+        return self._gathered_storage.get(data_ptr)
+
+    # -- prefetch along the recorded order ----------------------------------------------------------
+    def start_forward(self) -> None:
+        self._current_order = []
+        self._forward_cursor = self._prefetch_after(None, self.order, 0)
+
+    def forward_reached(self, unit: Unit) -> None:
+        self._current_order.append(unit)
+        self._forward_cursor = self._prefetch_after(unit, self.order, self._forward_cursor)
+
+    def start_backward(self) -> None:
+        self._backward_cursor = 0
+
+    def backward_reached(self, unit: Unit, needs_gather: Callable[[Unit], bool]) -> None:
+        """Prefetch the units whose backward follows ``unit``'s, those of them that need a gather at all."""
+        self._backward_cursor = self._prefetch_after(unit, self.order[::-1], self._backward_cursor, needs_gather)
+
+    def _prefetch_after(self, unit: Optional[Unit], order: list[Unit], cursor: int,
+                        needs_gather: Optional[Callable[[Unit], bool]] = None) -> int:
+        """Launch the gathers of the ``prefetch`` units that follow ``unit`` in ``order``; returns the new cursor.
+
+        ``unit=None`` means the start of ``order``. A unit not found (the order changed) prefetches nothing.
+        """
+        if unit is None:
+            position = -1
+        else:
+            try:
+                position = order.index(unit, cursor)
+            except ValueError:
+                return cursor
+        for upcoming in order[position + 1 : position + 1 + self.prefetch]:
+            if needs_gather is None or needs_gather(upcoming):
+                self.launch(upcoming)
+        return position + 1
+
+    def record_order(self) -> None:
+        """End of a step's forward: the order just seen is the one the next step prefetches along."""
+        current, self._current_order = self._current_order, []
+        if not current or current == self.order:
+            return
+        if self.order and not self._warned_order_change:
+            self._warned_order_change = True
+            warnings.warn(
+                "lightning_shard: the order in which units run changed between steps; prefetching follows the"
+                " newest order (results are unaffected, only the overlap of communication with compute)."
+            )
+        self.order = current

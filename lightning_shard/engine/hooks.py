@@ -1,0 +1,265 @@
+"""The runtime: module and autograd hooks that drive a unit through a step, one file per mechanism below.
+
+Per unit, per step (``full`` sharding)::
+
+    forward:   pre-forward  -> gather (gather.py)        post-forward -> free (not the root unit)
+    backward:  pre-backward -> gather, unless elided (elision.py; outputs' gradient hook)
+               post-backward -> reduce-scatter gradients (reduce.py), free (inputs' gradient hook)
+    end of backward (autograd final callback): reduce what is left, wait for every reduction,
+               hand the gradient shards to the shard parameters, free everything
+
+Note: the root unit has no forward of its own in Lightning (``training_step`` is not ``forward``), so a
+*step* is the root's scope: the strategy wraps each ``*_step`` in :meth:`ShardRuntime.run_step`, and the
+root module's own forward does the same when called outside a step. The root unit stays gathered from
+the start of a step until its backward has finished, since backward begins with it.
+
+Note: every rank must run the same units in the same order, as with any FSDP: collectives are issued
+from hooks, and their order is the order in which the hooks fire.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from lightning_shard.engine import norms
+from lightning_shard.engine.collectives import CommStats
+from lightning_shard.engine.elision import BackwardElision
+from lightning_shard.engine.gather import GatherSchedule
+from lightning_shard.engine.reduce import GradientReducer
+from lightning_shard.engine.unit import Unit
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs; its backward runs once the unit's backward has finished."""
+
+    @staticmethod
+    def forward(ctx, runtime: "ShardRuntime", unit: Unit, *inputs: Tensor):  # type: ignore[override]
+        ctx.runtime, ctx.unit = runtime, unit
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor):  # type: ignore[override]
+        ctx.runtime._post_backward(ctx.unit)
+        return (None, None) + grads
+
+
+class ShardRuntime:
+    def __init__(
+        self,
+        root: nn.Module,
+        units: list[Unit],
+        root_unit: Optional[Unit],
+        group: Optional[dist.ProcessGroup],
+        reduce_dtype: Optional[torch.dtype] = None,
+        prefetch: int = 1,
+        nonfinite: Optional[str] = None,
+        elide_backward_gathers: bool = True,
+    ) -> None:
+        self.root = root
+        self.units = units  # root unit last
+        self.root_unit = root_unit
+        self.group = group
+        self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.nonfinite = nonfinite  # None, "skip" or "error": what a non-finite gradient does
+        self.steps_done = 0
+        self.skipped_steps = 0
+        self.stats = CommStats()
+        self.last_step_stats: dict[str, float] = {}
+        self.schedule = GatherSchedule(group, self.stats, prefetch)
+        self.elision = BackwardElision(units, self.schedule, elide_backward_gathers)
+        self.reducer = GradientReducer(units, group, self.world_size, reduce_dtype, self.stats, self.schedule)
+        self._depth = 0  # nesting of steps / root forwards
+        self._final_callback_queued = False  # a backward is running
+        self._handles: list[Any] = []
+        self.undo: list[Callable[[], None]] = []  # restores what was wrapped at setup (activation checkpointing)
+        self._install_hooks()
+
+    @property
+    def trace(self) -> Optional[list[tuple[str, str]]]:
+        """Set to a list to record ``(collective, unit name)`` in issue order (tests)."""
+        return self.schedule.trace
+
+    @trace.setter
+    def trace(self, value: Optional[list[tuple[str, str]]]) -> None:
+        self.schedule.trace = value
+
+    @property
+    def order(self) -> list[Unit]:
+        """The forward order of units on the last step."""
+        return self.schedule.order
+
+    # -- steps (the root's scope) -------------------------------------------------------------------
+    def run_step(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run one ``*_step`` as the root's scope (see the module note)."""
+        self._enter_step()
+        output = None
+        try:
+            output = step(*args, **kwargs)
+            return output
+        finally:
+            self._exit_step(output)
+
+    def _enter_step(self) -> None:
+        if self._depth == 0 and not self._final_callback_queued:
+            # a previous step that ran no backward may have left units gathered: their data may be stale
+            for unit in self.units:
+                self.schedule.reshard(unit)
+                unit.backward_pending = 0
+            if self.root_unit is not None:
+                self.schedule.gather(self.root_unit)
+            self.schedule.start_forward()
+            self.elision.start_forward()
+        self._depth += 1
+
+    def _exit_step(self, output: Any) -> None:
+        self._depth -= 1
+        if self._depth > 0:
+            return
+        self.elision.end_forward()
+        self.schedule.record_order()
+        if not self._final_callback_queued and not _expects_backward(output):
+            for unit in self.units:
+                self.schedule.reshard(unit)
+
+    def after_optimizer_step(self) -> None:
+        """Close the step's communication figures; re-gather units still gathered (manual optimization),
+        since the optimizer changed their shards."""
+        self.last_step_stats = self.stats.as_dict()
+        self.stats.reset()
+        self.steps_done += 1
+        self.refresh_gathered()
+
+    def refresh_gathered(self) -> None:
+        """Re-gather the units held gathered, after their shards changed (optimizer step, loading)."""
+        self.schedule.refresh(self.units)
+
+    def no_sync(self) -> Any:
+        """Accumulate unsharded gradients locally, without reduction (costs a full gradient per unit)."""
+        return self.reducer.no_sync()
+
+    # -- hooks --------------------------------------------------------------------------------------
+    def _install_hooks(self) -> None:
+        for unit in self.units:
+            if unit is not self.root_unit:
+                for member in unit.members:
+                    self._handles.append(member.register_forward_pre_hook(
+                        lambda m, a, k, u=unit: self._pre_forward(u, a, k), with_kwargs=True))
+                    self._handles.append(member.register_forward_hook(
+                        lambda m, a, k, out, u=unit: self._post_forward(u, m, out), with_kwargs=True))
+            for param, slot in zip(unit.storage.gathered_params, unit.storage.slots):
+                if slot.requires_grad:  # a gradient reaching a parameter means a backward is running
+                    self._handles.append(param.register_post_accumulate_grad_hook(lambda _: self._start_backward()))
+        self._handles.append(self.root.register_forward_pre_hook(lambda m, a: self._enter_step()))
+        self._handles.append(self.root.register_forward_hook(lambda m, a, out: self._exit_step(out), always_call=True))
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for restore in self.undo:
+            restore()
+        self.undo.clear()
+
+    def _pre_forward(self, unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        self.schedule.gather(unit)
+        if not self._final_callback_queued:  # not a recomputation inside backward
+            self.schedule.forward_reached(unit)
+        if not torch.is_grad_enabled() or self._recomputing_for_saved_tensors(unit):
+            return args, kwargs
+        flat, spec = tree_flatten((args, kwargs))
+        # each tensor once: a module may test identity (`attn(h, h, h)` projects once when `query is key`)
+        inputs = list({id(x): x for x in flat if isinstance(x, Tensor) and x.requires_grad}.values())
+        if not inputs:  # nothing to hook: the final callback reduces this unit
+            return args, kwargs
+        unit.backward_pending += 1
+        hooked = dict(zip(map(id, inputs), _PostBackward.apply(self, unit, *inputs)))
+        return tree_unflatten([hooked.get(id(x), x) for x in flat], spec)
+
+    def _recomputing_for_saved_tensors(self, unit: Unit) -> bool:
+        """A call inside backward of a unit whose backward is still to come: a non-reentrant checkpoint
+        recomputing saved tensors. Its graph is never run backward, so it gets no backward hooks."""
+        return self._final_callback_queued and unit.backward_pending > 0
+
+    def _post_forward(self, unit: Unit, module: nn.Module, output: Any) -> Any:
+        grad_enabled = torch.is_grad_enabled()
+        order = self.schedule.order
+        # backward starts with the last unit: freeing it now would only mean gathering it again at once
+        keep_for_backward = (grad_enabled and bool(order) and unit is order[-1]
+                             and self.elision.needs_backward_gather(unit))
+        # a recomputation inside backward: the unit's backward follows at once and frees it
+        recomputing = self._final_callback_queued
+        if (module is unit.members[-1] and not keep_for_backward and not recomputing
+                and (unit.reshard_after_forward or not grad_enabled)):
+            self.schedule.reshard(unit)
+        if grad_enabled and not self._recomputing_for_saved_tensors(unit):
+            tensors = [x for x in tree_flatten(output)[0] if isinstance(x, Tensor) and x.requires_grad]
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(tensors, lambda _: self._pre_backward(unit), mode="any")
+        return output
+
+    def _pre_backward(self, unit: Unit) -> None:
+        self._start_backward()
+        if unit.reshard_after_forward and not self.elision.needs_backward_gather(unit) and not unit.is_gathered:
+            if unit.inflight is None:
+                self.stats.skipped_gathers += 1
+                self.schedule.note("skip_gather", unit)
+        else:
+            self.schedule.gather(unit)
+        if unit.reshard_after_forward:  # only then is there anything to gather ahead in backward
+            self.schedule.backward_reached(unit, self.elision.needs_backward_gather)
+
+    def _post_backward(self, unit: Unit) -> None:
+        unit.backward_pending -= 1
+        if unit.backward_pending > 0:  # another call of this unit still runs its backward
+            return
+        self.reducer.reduce(unit)
+        self.schedule.reshard(unit)
+
+    def _start_backward(self) -> None:
+        if not self._final_callback_queued:
+            self._final_callback_queued = True
+            self.schedule.start_backward()
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _finish_backward(self) -> None:
+        self._final_callback_queued = False
+        self.reducer.finish()
+        if self.nonfinite is not None:
+            self._apply_nonfinite_policy()
+        for unit in self.units:
+            unit.backward_pending = 0
+            if unit is not self.root_unit or self._depth == 0:
+                self.schedule.reshard(unit)
+
+    def _apply_nonfinite_policy(self) -> None:
+        """All ranks agree whether any gradient shard is not finite (a non-finite loss makes them so)."""
+        first = self.reducer.first_nonfinite()
+        if first is None:
+            return
+        if self.nonfinite == "error":
+            raise FloatingPointError(
+                f"lightning_shard: non-finite gradient at step {self.steps_done}, first in unit {first.name!r}."
+            )
+        for unit in self.units:  # "skip": the optimizer sees no gradient anywhere, on every rank
+            unit.storage.clear_grads()
+        self.skipped_steps += 1
+        warnings.warn(f"lightning_shard: step {self.steps_done} skipped: non-finite gradient in unit {first.name!r}.")
+
+    # -- norms --------------------------------------------------------------------------------------
+    def clip_grad_norm_(self, parameters: list[Tensor], max_norm: float) -> Tensor:
+        """Clip by the global norm over all shards, as ``torch.nn.utils.clip_grad_norm_`` on the full model."""
+        sharded = any(unit.storage.world_size > 1 for unit in self.units)
+        device = self.units[0].storage.shard.device
+        return norms.clip_grad_norm_(parameters, max_norm, device, self.group, self.stats, sharded)
+
+
+def _expects_backward(output: Any) -> bool:
+    return torch.is_grad_enabled() and any(
+        isinstance(x, Tensor) and x.requires_grad for x in tree_flatten(output)[0]
+    )

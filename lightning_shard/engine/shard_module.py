@@ -1,0 +1,154 @@
+"""Turn a module into sharded units in place: the engine's entry point, usable without Lightning."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_shard.engine.activation_checkpointing import (
+    CheckpointSpec,
+    checkpoint_modules,
+    validate_activation_checkpointing,
+)
+from lightning_shard.engine.flat_shard import FlatShard, ParamSlot
+from lightning_shard.engine.hooks import ShardRuntime
+from lightning_shard.engine.materialize import Materializer
+from lightning_shard.engine.plan import UnitPlan, UnitSpec, plan_units
+from lightning_shard.engine.unit import Unit
+
+SHARDING_MODES = ("full", "grad_op", "none")
+
+
+def validate_sharding(sharding: object) -> str:
+    if sharding not in SHARDING_MODES:
+        raise ValueError(f"`sharding` must be one of {', '.join(map(repr, SHARDING_MODES))}; got {sharding!r}.")
+    return sharding  # type: ignore[return-value]
+
+
+def shard_module(
+    module: nn.Module,
+    sharding: str = "full",
+    units: Optional[Sequence[UnitSpec]] = None,
+    unit_size: Optional[int] = None,
+    group: Optional[dist.ProcessGroup] = None,
+    param_dtype: Optional[torch.dtype] = None,
+    reduce_dtype: Optional[torch.dtype] = None,
+    buffer_dtype: Optional[torch.dtype] = None,
+    prefetch: int = 1,
+    nonfinite: Optional[str] = None,
+    device: Optional[torch.device] = None,
+    elide_backward_gathers: bool = True,
+    activation_checkpointing: CheckpointSpec = False,
+) -> ShardRuntime:
+    """Shard ``module``'s parameters across ``group`` and install the hooks that gather them on use.
+
+    Every rank must call this with an identical model; rank 0's values are the ones kept (like DDP,
+    which broadcasts rank 0's parameters), so ranks need not share a seed. A model built on the meta
+    device is materialised on ``device`` unit by unit with its modules' ``reset_parameters()``: a rank
+    holds its shards plus at most one full unit, never the whole model.
+    """
+    validate_sharding(sharding)
+    activation_checkpointing = validate_activation_checkpointing(activation_checkpointing)
+    existing = getattr(module, "_shard_runtime", None)
+    if existing is not None:
+        return existing
+    distributed = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank(group) if distributed else 0
+    world = dist.get_world_size(group) if distributed else 1
+    shard_rank, shard_world = (rank, world) if sharding != "none" else (0, 1)
+
+    plans = plan_units(module, units=units, unit_size=unit_size)
+    if world > 1:
+        _check_ranks_agree(plans, group)
+    materializer = Materializer(module, device or _first_real_device(module))
+    built: list[Unit] = []
+    root_unit = None
+    for plan in plans:
+        if not plan.params:
+            continue
+        materializer.unit(plan)
+        slots, flat = _flatten(module, plan)
+        plan.params.clear()  # the unit's full tensors go with their last reference
+        if world > 1:
+            dist.broadcast(flat, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+        storage = FlatShard(slots, flat, shard_rank, shard_world, param_dtype=param_dtype)
+        del flat
+        storage.use_shards()
+        is_root = plan.members == [""]
+        members = [module.get_submodule(name) for name in plan.members]
+        unit = Unit(plan.name, members, storage, reshard_after_forward=sharding == "full" and not is_root)
+        built.append(unit)
+        if is_root:
+            root_unit = unit
+    materializer.leftover_buffers()
+    if buffer_dtype is not None:
+        for submodule in module.modules():
+            for name, buffer in submodule._buffers.items():
+                if buffer is not None and buffer.is_floating_point():
+                    submodule._buffers[name] = buffer.to(buffer_dtype)
+    if world > 1:
+        for buffer in module.buffers():
+            dist.broadcast(buffer, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+
+    runtime = ShardRuntime(module, built, root_unit, group, reduce_dtype=reduce_dtype, prefetch=prefetch,
+                           nonfinite=nonfinite, elide_backward_gathers=elide_backward_gathers)
+    runtime.undo.extend(checkpoint_modules(module, built, root_unit, activation_checkpointing))
+    module._shard_runtime = runtime
+    return runtime
+
+
+def _check_ranks_agree(plans: list[UnitPlan], group: Optional[dist.ProcessGroup]) -> None:
+    """Ranks built from different code or configs would exchange garbage (or hang): refuse at setup."""
+    mine = [(plan.name, _fqn(*locations[0]), tuple(param.shape), str(param.dtype), param.requires_grad)
+            for plan in plans for param, locations in plan.params]
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    reference = everyone[0]
+    for rank, theirs in enumerate(everyone):
+        if theirs == reference:
+            continue
+        for ours, other in zip(reference + [None] * len(theirs), theirs + [None] * len(reference)):
+            if ours != other:
+                raise ValueError(
+                    "Ranks disagree on the model to shard: rank 0 has (unit, parameter, shape, dtype, requires_grad)"
+                    f" {ours}, rank {rank} has {other}. Every rank must build the same model and unit policy."
+                )
+
+
+def _flatten(root: nn.Module, plan: UnitPlan) -> tuple[list[ParamSlot], torch.Tensor]:
+    dtypes = {p.dtype for p, _ in plan.params}
+    devices = {p.device for p, _ in plan.params}
+    if len(dtypes) > 1 or len(devices) > 1:
+        names = [_fqn(*locs[0]) for _, locs in plan.params]
+        raise ValueError(
+            f"Unit {plan.name!r} mixes dtypes {sorted(map(str, dtypes))} or devices {sorted(map(str, devices))}"
+            f" among its parameters {names}; give these modules one dtype and device before sharding."
+        )
+    slots, pieces, offset = [], [], 0
+    for param, locations in plan.params:
+        slots.append(
+            ParamSlot(
+                names=tuple(_fqn(m, a) for m, a in locations),
+                locations=tuple((root.get_submodule(m), a) for m, a in locations),
+                shape=param.shape,
+                offset=offset,
+                numel=param.numel(),
+                requires_grad=param.requires_grad,
+            )
+        )
+        pieces.append(param.detach().reshape(-1))
+        offset += param.numel()
+    return slots, torch.cat(pieces)
+
+
+def _first_real_device(module: nn.Module) -> torch.device:
+    real = next((t.device for t in (*module.parameters(), *module.buffers()) if not t.is_meta), None)
+    return real or torch.device("cpu")
+
+
+def _fqn(module_name: str, attr: str) -> str:
+    return f"{module_name}.{attr}" if module_name else attr

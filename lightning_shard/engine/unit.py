@@ -1,0 +1,26 @@
+"""A unit: modules whose parameters are gathered, freed and reduced together, and its state during a step."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from torch import nn
+
+from lightning_shard.engine.collectives import Pending
+from lightning_shard.engine.flat_shard import FlatShard
+
+
+class Unit:
+    def __init__(self, name: str, members: list[nn.Module], storage: FlatShard, reshard_after_forward: bool):
+        self.name = name
+        self.members = members
+        self.storage = storage
+        self.reshard_after_forward = reshard_after_forward
+        self.is_gathered = False  # gathered data valid and registered on the members
+        self.inflight: Optional[Pending] = None  # a prefetch all-gather not yet waited for
+        self.backward_pending = 0  # forward calls whose post-backward has not fired yet
+        self.saved_for_backward = True  # autograd saved its gathered parameters in this step's forward
+        self.checkpointed = False  # a module reading its parameters is recomputed in backward
+
+    def __repr__(self) -> str:
+        return f"Unit({self.name!r}, numel={self.storage.padded_numel})"

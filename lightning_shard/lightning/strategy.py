@@ -1,0 +1,433 @@
+"""ShardStrategy: the Lightning face of the engine (process group, sharding at setup, steps,
+optimizer and precision hooks, checkpoint state)."""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Generator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_shard.checkpoint import sharded
+from lightning_shard.checkpoint.full import (
+    full_optimizer_state_dict,
+    full_state_dict,
+    load_full_optimizer_state_dict,
+    load_full_state_dict,
+)
+from lightning_shard.checkpoint.io import (
+    ShardedSource,
+    open_checkpoint,
+    save_full,
+    save_sharded,
+    validate_state_dict_type,
+)
+from lightning_shard.engine.activation_checkpointing import CheckpointSpec, validate_activation_checkpointing
+from lightning_shard.engine.hooks import ShardRuntime
+from lightning_shard.engine.plan import UnitSpec, validate_unit_size, validate_units
+from lightning_shard.engine.shard_module import shard_module, validate_sharding
+from lightning_shard.lightning.precision import MixedPrecision, ShardPrecision, validate_mixed_precision
+from lightning_shard.memory.estimate import MemoryEstimate, estimate_sharded
+
+
+class ShardStrategy(ParallelStrategy):
+    """Fully sharded data parallel training, implemented on ``torch.distributed`` collectives.
+
+    Args:
+        sharding: ``"full"`` (ZeRO-3: parameters, gradients and optimizer state sharded; parameters
+            gathered per unit in forward and again in backward), ``"grad_op"`` (ZeRO-2: parameters stay
+            gathered from forward to backward), ``"none"`` (replicated, DDP-like).
+        units: module classes, or class names, whose every instance becomes one unit.
+        unit_size: a parameter budget: consecutive submodules are packed into units of at most this
+            many parameters. With neither, each instance of a repeated block class is a unit.
+        prefetch: how many units ahead to all-gather while the current one computes (0: off).
+        activation_checkpointing: ``True`` recomputes every unit's activations in backward instead of keeping
+            them; module classes or class names (``["Block"]``) choose the modules to recompute (each must lie
+            within one unit). The recomputation and the unit's backward share one all-gather.
+        elide_backward_gathers: skip the backward all-gather of a unit whose parameters autograd did not save
+            in forward (an embedding fed token ids); detected each step, exact. ``False`` always gathers.
+        reduce_during_accumulation: reduce-scatter gradients after every micro-batch, keeping gradient
+            memory at 1/N. ``False`` skips the reduction on non-final micro-batches of
+            ``accumulate_grad_batches``: less communication, but a full gradient per unit is held.
+        mixed_precision: dtypes of gathers/compute, gradient reduction and buffers; wins over the
+            Trainer's ``precision`` string (which otherwise decides, see ``lightning_shard.lightning.precision``).
+        nonfinite: ``None`` (default, no check), ``"skip"`` (a step whose gradients are not finite on any
+            rank is skipped on every rank, with a warning) or ``"error"`` (stop, naming the step and the
+            first unit whose gradient is not finite). Costs one pass over the gradient shards and one tiny
+            all-reduce per step.
+        state_dict_type: ``"sharded"`` (default: each rank writes its own shards into a checkpoint
+            directory with ``torch.distributed.checkpoint``; no rank ever holds the whole model) or ``"full"``
+            (rank 0 writes one ordinary checkpoint file that loads into the plain LightningModule). Either
+            kind loads on any number of ranks and under any unit policy; see ``lightning_shard.checkpoint.consolidate``.
+        timeout: bound on every collective (a ``timedelta`` or seconds): a dead or stuck rank turns into an
+            error naming the collective and the unit on every other rank within it.
+
+    ``configure_model()`` and ``trainer.init_module(empty_init=True)`` build the model on the meta device;
+    setup materialises it unit by unit (each module's ``reset_parameters()``), keeping only this rank's shards.
+    """
+
+    strategy_name = "lightning_shard"
+
+    def __init__(
+        self,
+        sharding: str = "full",
+        units: Optional[Union[UnitSpec, Sequence[UnitSpec]]] = None,
+        unit_size: Optional[int] = None,
+        prefetch: int = 1,
+        activation_checkpointing: CheckpointSpec = False,
+        elide_backward_gathers: bool = True,
+        reduce_during_accumulation: bool = True,
+        mixed_precision: Optional[MixedPrecision] = None,
+        nonfinite: Optional[str] = None,
+        state_dict_type: str = "sharded",
+        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[Union[timedelta, float]] = default_pg_timeout,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self.sharding = validate_sharding(sharding)
+        self.units = validate_units(units)
+        self.unit_size = validate_unit_size(unit_size)
+        if self.units is not None and self.unit_size is not None:
+            raise ValueError("Give either `units` (module classes) or `unit_size` (a parameter budget), not both.")
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"`prefetch` must be an int >= 0 (units gathered ahead), got {prefetch!r}.")
+        self.prefetch = prefetch
+        self.activation_checkpointing = validate_activation_checkpointing(activation_checkpointing)
+        if not isinstance(elide_backward_gathers, bool):
+            raise ValueError(f"`elide_backward_gathers` must be True or False, got {elide_backward_gathers!r}.")
+        self.elide_backward_gathers = elide_backward_gathers
+        self.reduce_during_accumulation = bool(reduce_during_accumulation)
+        self.mixed_precision = validate_mixed_precision(mixed_precision)
+        if nonfinite not in (None, "skip", "error"):
+            raise ValueError(f"`nonfinite` must be None, 'skip' or 'error'; got {nonfinite!r}.")
+        self.nonfinite = nonfinite
+        self.state_dict_type = validate_state_dict_type(state_dict_type)
+        if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+            timeout = timedelta(seconds=timeout)
+        if timeout is not None and not isinstance(timeout, timedelta):
+            raise ValueError(f"`timeout` must be a timedelta or a number of seconds, got {timeout!r}.")
+        self._timeout = timeout
+        self._process_group_backend = process_group_backend
+        self.num_nodes = 1
+        self.runtime: Optional[ShardRuntime] = None
+        self.memory_estimate: Optional[MemoryEstimate] = None  # per rank, set at setup for fitting
+
+    # -- properties Lightning asks for --------------------------------------------------------------
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:  # DistributedSampler injection and `sync_dist` depend on it
+        return True
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:  # load into the sharded model
+        return True
+
+    @property
+    def precision_plugin(self) -> ShardPrecision:
+        return self._precision_plugin if self._precision_plugin is not None else ShardPrecision()
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+        self._precision_plugin = ShardPrecision.from_lightning(plugin) if plugin is not None else None
+
+    @property
+    def comm_stats(self) -> dict[str, float]:
+        """Communication of the last optimizer step: bytes all-gathered, reduce-scattered and all-reduced,
+        the number of collectives, and the seconds compute spent blocked on them (exposed communication)."""
+        return dict(self.runtime.last_step_stats) if self.runtime is not None else {}
+
+    # -- processes ----------------------------------------------------------------------------------
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        assert self.cluster_environment is not None
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    # -- setup --------------------------------------------------------------------------------------
+    def setup(self, trainer: "pl.Trainer") -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        if self.runtime is None or self.runtime.root is not self.model:
+            if trainer.state.fn == TrainerFn.FITTING and self._layer_sync:
+                self.model = self._layer_sync.apply(self.model)
+            self.model = self.precision_plugin.convert_module(self.model)
+            self.model_to_device()
+            policy = self.mixed_precision or self.precision_plugin.policy
+            self.runtime = shard_module(
+                self.model, sharding=self.sharding, units=self.units, unit_size=self.unit_size, prefetch=self.prefetch,
+                param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype, buffer_dtype=policy.buffer_dtype,
+                nonfinite=self.nonfinite, device=self.root_device,
+                activation_checkpointing=self.activation_checkpointing,
+                elide_backward_gathers=self.elide_backward_gathers,
+            )
+            rank_zero_info(
+                f"lightning_shard: sharding={self.sharding!r}, {len(self.runtime.units)} units over"
+                f" {self.world_size} ranks: {[u.name for u in self.runtime.units]}"
+            )
+        self.precision_plugin.runtime = self.runtime
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+            self._report_memory_estimate()
+
+    def _report_memory_estimate(self) -> None:
+        """Log the per-rank estimate (activations excluded: they need a batch, see ``lightning_shard.memory.estimate``)
+        and warn before the first step if it already exceeds what this rank's device has."""
+        assert self.runtime is not None
+        optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+        optimizer = _same_kind(optimizers[0]) if optimizers else torch.optim.SGD
+        try:
+            self.memory_estimate = estimate_sharded(self.runtime, self.sharding, self.prefetch, optimizer)
+        except Exception as err:  # an estimate must never stop training
+            rank_zero_warn(f"lightning_shard: no memory estimate ({type(err).__name__}: {err}).")
+            return
+        peak, available = self.memory_estimate.peak, _device_memory_per_rank(self.root_device, self.num_processes)
+        rank_zero_info(f"lightning_shard: estimated memory per rank before activations: {peak / 2**20:.1f} MiB"
+                       f" (python -m lightning_shard.estimate adds them)\n{self.memory_estimate.table()}")
+        if available is not None and peak > available:
+            rank_zero_warn(
+                f"lightning_shard: the estimated {peak / 2**30:.2f} GiB per rank, before activations, exceeds the"
+                f" {available / 2**30:.2f} GiB this rank's device has: expect out-of-memory. Shard over more ranks,"
+                " use smaller units (unit_size), bf16, or activation_checkpointing."
+            )
+
+    def setup_optimizers(self, trainer: "pl.Trainer") -> None:
+        self._reset_optimizers_and_schedulers()  # references to parameters of an earlier setup are stale
+        super().setup_optimizers(trainer)
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        if self.runtime is None:  # moving a sharded model would break its shard views
+            # meta tensors stay: setup materialises them on the device unit by unit
+            self.model._apply(lambda t: t if t.is_meta else t.to(self.root_device))
+
+    @contextmanager
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        with torch.device("meta") if empty_init else nullcontext(), self.precision_plugin.tensor_init_context():
+            yield
+
+    @contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """``configure_model`` builds on the meta device: setup materialises only this rank's shards."""
+        with torch.device("meta"):
+            yield
+
+    # -- steps --------------------------------------------------------------------------------------
+    def _run_step(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        assert self.runtime is not None
+        return self.runtime.run_step(step, *args, **kwargs)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run_step(super().training_step, *args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run_step(super().validation_step, *args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run_step(super().test_step, *args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run_step(super().predict_step, *args, **kwargs)
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Non-final micro-batches of gradient accumulation."""
+        if self.reduce_during_accumulation or self.runtime is None:
+            yield
+        else:
+            with self.runtime.no_sync():
+                yield
+
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        assert self.runtime is not None
+        self.runtime.after_optimizer_step()
+        self._log_comm_stats()
+        return output
+
+    def _log_comm_stats(self) -> None:
+        trainer = self.lightning_module._trainer if self.lightning_module is not None else None
+        if trainer is None or not trainer.loggers or not self.is_global_zero:
+            return
+        metrics = {f"shard/{k}": float(v) for k, v in self.comm_stats.items()}
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+
+    # -- collectives for Lightning (logging, metrics, decisions) ------------------------------------
+    def barrier(self, name: Optional[str] = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if torch.distributed.get_backend() == "nccl":
+            torch.distributed.barrier(device_ids=[self.root_device.index])
+        else:
+            torch.distributed.barrier()
+
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        holder = [obj]
+        torch.distributed.broadcast_object_list(holder, src, group=_group.WORLD)
+        return holder[0]
+
+    def reduce(
+        self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
+    ) -> Union[Tensor, Any]:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # -- state --------------------------------------------------------------------------------------
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Sharded: this rank's shards (views, for DCP). Full: the unsharded state dict on rank 0 ({} elsewhere)."""
+        assert self.runtime is not None
+        if self.state_dict_type == "sharded":
+            return sharded.model_state(self.runtime)
+        return full_state_dict(self.runtime, rank0_only=True)
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        assert self.runtime is not None
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        if self.state_dict_type == "sharded":
+            return sharded.optimizer_state(self.runtime, optimizer)
+        return full_optimizer_state_dict(self.runtime, optimizer, rank0_only=True)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Written beside the target and moved into place when complete: a save that fails or is killed
+        half-way leaves the previous checkpoint intact, and a partial one never carries its name."""
+        path = Path(self.broadcast(os.fspath(filepath)))
+        if self.state_dict_type == "sharded":
+            if storage_options is not None:
+                raise TypeError("`storage_options` is not supported with state_dict_type='sharded'.")
+            save_sharded(checkpoint, path, group=None)
+        elif self.is_global_zero:
+            save_full(checkpoint, path, self.checkpoint_io, storage_options)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Either format, saved on any number of ranks; checked first, read with ``weights_only=True``."""
+        path = Path(self.broadcast(os.fspath(checkpoint_path)))
+        return open_checkpoint(path)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        assert self.runtime is not None
+        source = checkpoint["state_dict"]
+        if isinstance(source, ShardedSource):
+            sharded.load_model_state(self.runtime, source.directory, source.metadata, strict=strict)
+        else:
+            load_full_state_dict(self.runtime, source, strict=strict)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        assert self.runtime is not None
+        source = checkpoint["state_dict"]
+        for i, (optimizer, state) in enumerate(zip(self.optimizers, checkpoint["optimizer_states"])):
+            if isinstance(source, ShardedSource):
+                sharded.load_optimizer_state(self.runtime, optimizer, i, state, source.directory,
+                                                        source.metadata)
+            else:
+                load_full_optimizer_state_dict(self.runtime, optimizer, state)
+
+    def teardown(self) -> None:
+        # Unlike the base class, do not move the module to CPU: that would break its shard views.
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        for name, sharding in (
+            ("lightning_shard", "full"),
+            ("lightning_shard_grad_op", "grad_op"),
+            ("lightning_shard_no_shard", "none"),
+        ):
+            if name not in strategy_registry:
+                strategy_registry.register(name, cls, description=f"lightning_shard, sharding={sharding!r}",
+                                           sharding=sharding)
+
+
+def _same_kind(optimizer: Optimizer) -> Callable[[list], Optimizer]:
+    """A factory of optimizers like ``optimizer`` (its constructor's own options), for the estimator's probe."""
+    accepted = inspect.signature(type(optimizer)).parameters
+    options = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    return lambda params: type(optimizer)(params, **options)
+
+
+def _device_memory_per_rank(device: torch.device, local_ranks: int) -> Optional[int]:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:  # CPU ranks on one machine share its memory
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(local_ranks, 1)
+    except (ValueError, OSError, AttributeError):
+        return None

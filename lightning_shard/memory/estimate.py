@@ -1,0 +1,222 @@
+"""Per-rank peak memory of a sharded training step, predicted before running it.
+
+    peak = parameter shards + optimizer state + buffers + root unit (gathered all step)
+           + max( activations + gathered units + gradients in flight,   # start of backward
+                  gradient shards + optimizer step scratch )           # optimizer step
+
+Every term is counted, not guessed: unit sizes come from the same planner the strategy uses (padding
+included); optimizer state and step scratch per parameter element from one step of the real optimizer on
+a small tensor; activations (and backward temporaries) from one forward and backward of the model on fake
+tensors of the target device (``FakeTensorMode``: real kernels are chosen, e.g. CPU flash attention, nothing
+is allocated), with the chosen activation checkpointing applied. Gathered units and
+gradients in flight follow the engine's bounds: ``1 + prefetch`` units gathered under ``full`` sharding, all
+of them from forward to backward under ``grad_op``.
+
+CLI for a Hydra training config: ``python -m lightning_shard.estimate`` (``lightning_shard.app.estimate``).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from lightning_shard.engine.activation_checkpointing import (
+    CheckpointSpec,
+    checkpoint_targets,
+    validate_activation_checkpointing,
+    wrap_forward,
+)
+from lightning_shard.engine.plan import UnitSpec, plan_units
+from lightning_shard.engine.shard_module import validate_sharding
+from lightning_shard.memory.tracker import LiveBytes
+
+MiB = 2**20
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes per rank at the peak of a training step, by kind."""
+
+    params: int  # parameter shards (master dtype) and the root unit, which stays gathered all step
+    optimizer_state: int
+    buffers: int
+    grads: int  # gradient shards, complete at the end of backward
+    gathered: int  # other units gathered at once
+    grads_in_flight: int  # unsharded gradients: the root unit's and the largest unit's
+    activations: int  # saved for backward plus backward temporaries (local batch)
+    step_scratch: int  # temporaries of the optimizer step
+
+    @property
+    def peak(self) -> int:
+        resident = self.params + self.optimizer_state + self.buffers
+        # backward peaks at its start, with every activation alive: gradient shards come later, as activations go
+        backward = self.activations + self.gathered + self.grads_in_flight
+        return resident + max(backward, self.grads + self.step_scratch)
+
+    def as_dict(self) -> dict[str, int]:
+        return {**{f.name: getattr(self, f.name) for f in fields(self)}, "peak": self.peak}
+
+    def table(self) -> str:
+        rows = [f"  {name:<16} {value / MiB:10.1f} MiB" for name, value in self.as_dict().items()]
+        return "\n".join(rows)
+
+
+def estimate_memory(
+    model: nn.Module,
+    world_size: int,
+    sharding: str = "full",
+    units: Optional[Sequence[UnitSpec]] = None,
+    unit_size: Optional[int] = None,
+    prefetch: int = 1,
+    param_dtype: Optional[torch.dtype] = None,
+    master_dtype: Optional[torch.dtype] = None,
+    optimizer: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW,
+    step: Optional[Callable[[nn.Module, Any], Tensor]] = None,
+    batch: Any = None,
+    activation_checkpointing: CheckpointSpec = False,
+    device: Union[str, torch.device] = "cpu",
+) -> MemoryEstimate:
+    """Predict one rank's peak memory for training ``model`` sharded over ``world_size`` ranks.
+
+    ``model`` may live on any device, the meta device included; it is not modified. ``device`` is where
+    training will run (its kernels decide the activations, e.g. which attention kernel). ``step(model, batch)``
+    returns the loss of one local (per-rank) ``batch``; without it no activations are counted.
+    ``optimizer`` is called like ``optimizer(params)``: an optimizer class or a ``functools.partial``.
+    ``param_dtype`` is the gather/compute dtype (mixed precision), ``master_dtype`` that of the shards.
+    """
+    validate_sharding(sharding)
+    spec = validate_activation_checkpointing(activation_checkpointing)
+    plans = plan_units(model, units=units, unit_size=unit_size)
+    master = master_dtype or next((p.dtype for p in model.parameters()), torch.float32)
+    param_dtype = param_dtype or master
+    ranks = world_size if sharding != "none" else 1
+    sizes = []
+    for plan in plans:
+        if plan.numel():
+            shard = math.ceil(plan.numel() / ranks)
+            sizes.append(UnitSize(shard * ranks, shard, plan.members == [""]))
+    activations = activation_bytes(model, step, batch, param_dtype, plans, spec, device) if step is not None else 0
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    return combine(sizes, master, param_dtype, sharding, prefetch, optimizer, buffers, activations)
+
+
+@dataclass(frozen=True)
+class UnitSize:
+    padded: int  # elements of the gathered (padded) buffer
+    shard: int  # elements of one rank's shard
+    is_root: bool
+
+
+def combine(sizes: list[UnitSize], master: torch.dtype, param_dtype: torch.dtype, sharding: str, prefetch: int,
+            optimizer: Callable[..., torch.optim.Optimizer], buffers: int, activations: int) -> MemoryEstimate:
+    """The formula of the module note, from unit sizes (planned, or read off a sharded model)."""
+    b_master, b_param = _size(master), _size(param_dtype)
+    aliases = all(u.padded == u.shard for u in sizes) and param_dtype == master  # gathered buffer = shard
+    shard_total = sum(u.shard for u in sizes)
+    root = sum(u.padded for u in sizes if u.is_root)
+    others = sorted((u.padded for u in sizes if not u.is_root), reverse=True)
+    if aliases:
+        gathered = 0
+    elif sharding == "full":
+        gathered = sum(others[: 1 + prefetch]) * b_param
+    else:  # grad_op keeps every unit gathered from its forward to its backward; none keeps them always
+        gathered = sum(others) * b_param
+    # the root's gradients build up through all of backward; a unit's until its reduction. Reductions in flight
+    # are not added: they exist once units' activations are freed, which outweigh them unless activations are tiny
+    grads_in_flight = ((others[0] if others else 0) + root) * b_param
+    state_per_element, scratch_per_element = _optimizer_bytes_per_element(optimizer, master)
+    return MemoryEstimate(
+        params=shard_total * b_master + (0 if aliases else root * b_param),
+        optimizer_state=round(shard_total * state_per_element),
+        buffers=buffers,
+        grads=shard_total * b_master,
+        gathered=gathered,
+        grads_in_flight=grads_in_flight,
+        activations=activations,
+        step_scratch=round(shard_total * scratch_per_element),
+    )
+
+
+def estimate_sharded(runtime: Any, sharding: str, prefetch: int, optimizer: Callable[..., torch.optim.Optimizer]
+                     ) -> MemoryEstimate:
+    """The estimate, activations excluded, of a model already sharded (what the strategy logs at setup)."""
+    sizes = [UnitSize(u.storage.padded_numel, u.storage.shard_numel, u is runtime.root_unit) for u in runtime.units]
+    first = runtime.units[0].storage
+    buffers = sum(b.numel() * b.element_size() for b in runtime.root.buffers())
+    return combine(sizes, first.master_dtype, first.param_dtype, sharding, prefetch, optimizer, buffers, 0)
+
+
+def activation_bytes(model: nn.Module, step: Callable[[nn.Module, Any], Tensor], batch: Any,
+                     param_dtype: Optional[torch.dtype] = None, plans: Optional[list] = None,
+                     activation_checkpointing: Any = False, device: Union[str, torch.device] = "cpu") -> int:
+    """Peak bytes above the parameters during one forward and backward, run on fake tensors of ``device``."""
+    fake = FakeTensorMode()
+    shadow, fake_batch = fake_copy(model, batch, fake, torch.device(device), param_dtype)
+    if activation_checkpointing:
+        plans = plans if plans is not None else plan_units(shadow)
+        members = [[shadow.get_submodule(name) for name in plan.members] for plan in plans
+                   if plan.members != [""] and plan.params]
+        for _name, module in checkpoint_targets(shadow, members, activation_checkpointing):
+            wrap_forward(module)
+    for param in shadow.parameters():  # a gradient leaves at once: the engine reduces it, counted apart
+        if param.requires_grad:
+            param.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+    with fake, LiveBytes() as live:
+        live.track([*shadow.parameters(), *shadow.buffers(), *_tensors(fake_batch)])
+        baseline = live.current()
+        live.reset_peak()
+        step(shadow, fake_batch).backward()
+    return max(live.peak - baseline, 0)
+
+
+def fake_copy(model: nn.Module, batch: Any, fake: FakeTensorMode, device: torch.device,
+              dtype: Optional[torch.dtype] = None) -> tuple[nn.Module, Any]:
+    """``model`` and ``batch`` with every tensor replaced by a fake one on ``device`` (nothing is allocated)."""
+    if getattr(model, "_shard_runtime", None) is not None:
+        raise ValueError("estimate_memory takes the model before sharding (it is sharded already).")
+
+    def empty(t: Tensor) -> Tensor:
+        cast = dtype if dtype is not None and t.is_floating_point() else t.dtype
+        with fake:
+            return torch.empty(t.shape, dtype=cast, device=device)
+
+    memo: dict[int, Any] = {}
+    for tensor in (*model.parameters(), *model.buffers()):
+        if id(tensor) not in memo:
+            memo[id(tensor)] = nn.Parameter(empty(tensor), tensor.requires_grad) if isinstance(
+                tensor, nn.Parameter) else empty(tensor)
+    return copy.deepcopy(model, memo), tree_map(lambda x: empty(x) if isinstance(x, Tensor) else x, batch)
+
+
+def _optimizer_bytes_per_element(optimizer: Callable[..., torch.optim.Optimizer], dtype: torch.dtype
+                                 ) -> tuple[float, float]:
+    """State kept per parameter element, and the step's scratch per element, by one real step on a probe."""
+    n = 4096
+    probe = nn.Parameter(torch.zeros(n, dtype=dtype))
+    probe.grad = torch.full((n,), 1e-3, dtype=dtype)
+    opt = optimizer([probe])
+    opt.step()  # creates the state
+    state = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
+                if isinstance(v, Tensor) and v.numel() == n)
+    with LiveBytes() as live:
+        live.track([probe, probe.grad, *[v for s in opt.state.values() for v in s.values()]])
+        live.reset_peak()
+        baseline = live.current()
+        opt.step()
+    return state / n, max(live.peak - baseline, 0) / n
+
+
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _tensors(tree: Any) -> list[Tensor]:
+    return [x for x in tree_flatten(tree)[0] if isinstance(x, Tensor)]
