@@ -1,4 +1,8 @@
-"""RunSummary: one JSON per run with what a unit-size sweep compares (time, memory, bytes, loss)."""
+"""RunSummary: one JSON per run with what a unit-size sweep compares (time, memory, bytes, loss).
+
+Ours, not Lightning's ``ThroughputMonitor``: that logs rolling throughput through a logger; a sweep compares
+each run's median step time after warm-up, peak memory and bytes moved, read back from one file per run.
+"""
 
 from __future__ import annotations
 

@@ -6,6 +6,9 @@ The result is what ``state_dict_type="full"`` would have written: ``state_dict``
 LightningModule (``load_state_dict`` or ``load_from_checkpoint``), ``optimizer_states`` are ordinary
 ``Optimizer.state_dict()``s, and ``trainer.fit(ckpt_path=OUT.pt)`` resumes from it. Runs in one process,
 without a process group; it needs memory for the whole model (that is the point of the output).
+
+Ours, not ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``: that writes DCP's flat keys, while a
+Lightning checkpoint needs ordinary optimizer states and ``meta.pt`` put back together, with our manifest checked.
 """
 
 from __future__ import annotations

@@ -102,7 +102,10 @@ def shard_module(
 
 
 def _check_ranks_agree(plans: list[UnitPlan], group: Optional[dist.ProcessGroup]) -> None:
-    """Ranks built from different code or configs would exchange garbage (or hang): refuse at setup."""
+    """Ranks built from different code or configs would exchange garbage (or hang): refuse at setup.
+
+    Ours, not torch's ``_verify_param_shape_across_processes`` (DDP's): that one is private, needs real
+    tensors (ours may be on the meta device) and names neither the parameter nor ``requires_grad``."""
     mine = [(plan.name, _fqn(*locations[0]), tuple(param.shape), str(param.dtype), param.requires_grad)
             for plan in plans for param, locations in plan.params]
     everyone: list = [None] * dist.get_world_size(group)
