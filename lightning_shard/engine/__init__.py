@@ -10,6 +10,7 @@
     reduce.py         gradient reduce-scatter, bounded in flight, accumulation without sync
     hooks.py          the module and autograd hooks that drive all of the above, one step at a time
     norms.py          global gradient norm and clipping over the shards
+    optimizers.py     which optimizers may step 1-D shards (elementwise ones), the rest refused
     collectives.py    the collectives, with error text and communication figures
     activation_checkpointing.py   recompute a unit's members in backward
 """

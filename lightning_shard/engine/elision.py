@@ -4,6 +4,12 @@ A saved-tensor hook active during each step's forward records exactly which gath
 A unit whose buffer was not saved (e.g. an embedding fed token ids: its backward needs only the indices) is
 not all-gathered again in backward; its gradient is still reduce-scattered. Recomputation under activation
 checkpointing calls the unit's modules again, which gathers them like any forward.
+
+Off by default: while the hook is active autograd cannot run its in-place version check on saved tensors
+(``z = y.exp(); z.mul_(0)`` then backward gives silent zeros instead of an error), and checkpointing the
+engine cannot see (a ``torch.utils.checkpoint`` region inside a unit member) hides what is saved. When on,
+the ranks agree per step (one all-reduce of the saved flags at the end of forward), so a unit whose
+parameters only one rank saved (a branch taken on its data) is gathered on every rank: never a hang.
 """
 
 from __future__ import annotations
@@ -11,21 +17,27 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
+from lightning_shard.engine import collectives
+from lightning_shard.engine.collectives import CommStats
 from lightning_shard.engine.gather import GatherSchedule
 from lightning_shard.engine.unit import Unit
 
 
 class BackwardElision:
-    def __init__(self, units: list[Unit], schedule: GatherSchedule, enabled: bool) -> None:
+    def __init__(self, units: list[Unit], schedule: GatherSchedule, enabled: bool,
+                 group: Optional[dist.ProcessGroup], world_size: int, stats: CommStats) -> None:
         self.units = units
         self.schedule = schedule
-        self.enabled = enabled
+        # only units freed after forward have a backward gather to skip (not under grad_op / none)
+        self.enabled = enabled and any(unit.reshard_after_forward for unit in units)
+        self.group, self.world_size, self.stats = group, world_size, stats
         self._saved_hooks: Optional[Any] = None
 
     def start_forward(self) -> None:
-        if not self.enabled:
+        if not self.enabled or not torch.is_grad_enabled():  # grad mode is the same on every rank
             return
         for unit in self.units:
             unit.saved_for_backward = False
@@ -33,9 +45,16 @@ class BackwardElision:
         self._saved_hooks.__enter__()
 
     def end_forward(self) -> None:
-        if self._saved_hooks is not None:
-            self._saved_hooks.__exit__(None, None, None)
-            self._saved_hooks = None
+        if self._saved_hooks is None:
+            return
+        self._saved_hooks.__exit__(None, None, None)
+        self._saved_hooks = None
+        if self.world_size > 1:  # a unit any rank saved is gathered on all of them
+            saved = torch.tensor([unit.saved_for_backward for unit in self.units], dtype=torch.uint8)
+            collectives.all_reduce(saved, self.group, self.stats, label="all-reduce of the saved-parameter flags",
+                                   op=dist.ReduceOp.MAX).wait()
+            for unit, flag in zip(self.units, saved.tolist()):
+                unit.saved_for_backward = bool(flag)
 
     def needs_backward_gather(self, unit: Unit) -> bool:
         # a unit whose gathered buffer is its shard moves no data to gather: nothing to skip there
@@ -44,7 +63,7 @@ class BackwardElision:
 
     def _pack(self, tensor: Tensor) -> Tensor:
         """Saved-tensor hook: note the unit whose gathered buffer autograd keeps for backward."""
-        if tensor.device.type != "meta":
+        if tensor.layout == torch.strided and tensor.device.type != "meta":  # sparse tensors have no storage
             unit = self.schedule.unit_of_storage(tensor.untyped_storage().data_ptr())
             if unit is not None:
                 unit.saved_for_backward = True

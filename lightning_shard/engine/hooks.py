@@ -72,7 +72,7 @@ class ShardRuntime:
         self.stats = CommStats()
         self.last_step_stats: dict[str, float] = {}
         self.schedule = GatherSchedule(group, self.stats, prefetch)
-        self.elision = BackwardElision(units, self.schedule, elide_backward_gathers)
+        self.elision = BackwardElision(units, self.schedule, elide_backward_gathers, group, self.world_size, self.stats)
         self.reducer = GradientReducer(units, group, self.world_size, reduce_dtype, self.stats, self.schedule)
         self._depth = 0  # nesting of steps / root forwards
         self._final_callback_queued = False  # a backward is running
@@ -106,6 +106,8 @@ class ShardRuntime:
             self._exit_step(output)
 
     def _enter_step(self) -> None:
+        if self._depth == 0 and self._final_callback_queued and not _in_backward():
+            self._recover_from_failed_backward()
         if self._depth == 0 and not self._final_callback_queued:
             # a previous step that ran no backward may have left units gathered: their data may be stale
             for unit in self.units:
@@ -237,6 +239,17 @@ class ShardRuntime:
             if unit is not self.root_unit or self._depth == 0:
                 self.schedule.reshard(unit)
 
+    def _recover_from_failed_backward(self) -> None:
+        """A backward raised (e.g. a caught out-of-memory) before its final callback ran: drop its partial
+        gradients and in-flight reductions, so that the next step starts clean."""
+        self._final_callback_queued = False
+        self.reducer.abandon()
+        for unit in self.units:
+            unit.backward_pending = 0
+            for param in unit.storage.gathered_params:
+                param.grad = None
+            self.schedule.reshard(unit)
+
     def _apply_nonfinite_policy(self) -> None:
         """All ranks agree whether any gradient shard is not finite (a non-finite loss makes them so)."""
         first = self.reducer.first_nonfinite()
@@ -257,6 +270,10 @@ class ShardRuntime:
         sharded = any(unit.storage.world_size > 1 for unit in self.units)
         device = self.units[0].storage.shard.device
         return norms.clip_grad_norm_(parameters, max_norm, device, self.group, self.stats, sharded)
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
 
 
 def _expects_backward(output: Any) -> bool:

@@ -3,6 +3,11 @@ rank keeps only the gradient of the shard it owns, averaged over ranks like DDP.
 
 At most ``MAX_PENDING_REDUCTIONS`` reductions are in flight: each holds a unit's full gradient until it
 completes, and unbounded they would hold the whole model's by the end of backward.
+
+Which collectives run and which gradients count is never one rank's local view: every unit with trainable
+parameters is reduced once per backward on every rank (a unit that got no gradient here contributes
+zeros), and a parameter keeps ``grad=None`` only if it got no gradient on *any* rank, agreed by one small
+all-reduce of the ranks' used-parameter masks at the end of backward (DDP's ``find_unused_parameters``).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from lightning_shard.engine import collectives
 from lightning_shard.engine.collectives import CommStats, Pending
@@ -32,6 +38,8 @@ class GradientReducer:
         self.schedule = schedule  # for its trace
         self.sync_grads = True  # False while accumulating without reduction (see no_sync)
         self._pending: list[tuple[Unit, Pending, list[int]]] = []
+        self._reduced: list[tuple[Unit, Tensor, list[int]]] = []  # waiting for the ranks' agreed used-mask
+        self._done: set[int] = set()  # ids of units reduced in this backward
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -45,8 +53,9 @@ class GradientReducer:
     def reduce(self, unit: Unit) -> None:
         """Start reducing the unit's gradients (nothing to do if it has none, or while not syncing)."""
         storage = unit.storage
-        if not self.sync_grads or not storage.has_unsharded_grads():
+        if not self.sync_grads or not storage.trainable or id(unit) in self._done:
             return
+        self._done.add(id(unit))
         flat, used = storage.take_unsharded_grads(self.reduce_dtype or storage.master_dtype)
         if self.world_size > 1:
             flat.div_(self.world_size)  # average like DDP: divide first, then sum
@@ -70,10 +79,31 @@ class GradientReducer:
             self.reduce(unit)
         while self._pending:
             self._complete_oldest()
+        self._done.clear()
+        reduced, self._reduced = self._reduced, []
+        if not reduced:
+            return
+        masks = [torch.zeros(len(unit.storage.slots), dtype=torch.uint8) for unit, _, _ in reduced]
+        for mask, (_, _, used) in zip(masks, reduced):
+            mask[used] = 1
+        agreed = torch.cat(masks)
+        if self.world_size > 1:
+            collectives.all_reduce(agreed, self.group, self.stats, label="all-reduce of the used-parameter masks",
+                                   op=dist.ReduceOp.MAX).wait()
+        for (unit, shard_grad, _), mask in zip(reduced, agreed.split([len(m) for m in masks])):
+            unit.storage.accumulate_shard_grad(shard_grad, mask.nonzero().flatten().tolist())
+
+    def abandon(self) -> None:
+        """A backward that raised: wait for what is in flight (the collectives were issued), keep nothing."""
+        for _, pending, _ in self._pending:
+            pending.wait()
+        self._pending.clear()
+        self._reduced.clear()
+        self._done.clear()
 
     def _complete_oldest(self) -> None:
         unit, pending, used = self._pending.pop(0)
-        unit.storage.accumulate_shard_grad(pending.wait(), used)
+        self._reduced.append((unit, pending.wait(), used))
 
     def first_nonfinite(self) -> Optional[Unit]:
         """The first unit with a non-finite gradient shard on any rank (all ranks get the same answer)."""

@@ -41,7 +41,7 @@ def shard_module(
     prefetch: int = 1,
     nonfinite: Optional[str] = None,
     device: Optional[torch.device] = None,
-    elide_backward_gathers: bool = True,
+    elide_backward_gathers: bool = False,
     activation_checkpointing: CheckpointSpec = False,
 ) -> ShardRuntime:
     """Shard ``module``'s parameters across ``group`` and install the hooks that gather them on use.

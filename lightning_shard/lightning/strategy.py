@@ -52,6 +52,7 @@ from lightning_shard.checkpoint.io import (
 )
 from lightning_shard.engine.activation_checkpointing import CheckpointSpec, validate_activation_checkpointing
 from lightning_shard.engine.hooks import ShardRuntime
+from lightning_shard.engine.optimizers import check_optimizer, validate_elementwise_optimizers
 from lightning_shard.engine.plan import UnitSpec, validate_unit_size, validate_units
 from lightning_shard.engine.shard_module import shard_module, validate_sharding
 from lightning_shard.lightning.precision import MixedPrecision, ShardPrecision, validate_mixed_precision
@@ -73,7 +74,8 @@ class ShardStrategy(ParallelStrategy):
             them; module classes or class names (``["Block"]``) choose the modules to recompute (each must lie
             within one unit). The recomputation and the unit's backward share one all-gather.
         elide_backward_gathers: skip the backward all-gather of a unit whose parameters autograd did not save
-            in forward (an embedding fed token ids); detected each step, exact. ``False`` always gathers.
+            in forward (an embedding fed token ids); detected each step and agreed across ranks. Off by default:
+            the detection hides in-place changes of saved tensors from autograd's check (see the README).
         reduce_during_accumulation: reduce-scatter gradients after every micro-batch, keeping gradient
             memory at 1/N. ``False`` skips the reduction on non-final micro-batches of
             ``accumulate_grad_batches``: less communication, but a full gradient per unit is held.
@@ -87,6 +89,9 @@ class ShardStrategy(ParallelStrategy):
             directory with ``torch.distributed.checkpoint``; no rank ever holds the whole model) or ``"full"``
             (rank 0 writes one ordinary checkpoint file that loads into the plain LightningModule). Either
             kind loads on any number of ranks and under any unit policy; see ``lightning_shard.checkpoint.consolidate``.
+        elementwise_optimizers: your own optimizer classes whose update of each element reads only that
+            element's gradient and state; ``torch.optim``'s elementwise ones are known already, any other
+            optimizer is refused at setup (it would step 1-D shards; see ``engine/optimizers.py``).
         timeout: bound on every collective (a ``timedelta`` or seconds): a dead or stuck rank turns into an
             error naming the collective and the unit on every other rank within it.
 
@@ -103,11 +108,12 @@ class ShardStrategy(ParallelStrategy):
         unit_size: Optional[int] = None,
         prefetch: int = 1,
         activation_checkpointing: CheckpointSpec = False,
-        elide_backward_gathers: bool = True,
+        elide_backward_gathers: bool = False,
         reduce_during_accumulation: bool = True,
         mixed_precision: Optional[MixedPrecision] = None,
         nonfinite: Optional[str] = None,
         state_dict_type: str = "sharded",
+        elementwise_optimizers: Sequence[type] = (),
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -141,6 +147,7 @@ class ShardStrategy(ParallelStrategy):
             raise ValueError(f"`nonfinite` must be None, 'skip' or 'error'; got {nonfinite!r}.")
         self.nonfinite = nonfinite
         self.state_dict_type = validate_state_dict_type(state_dict_type)
+        self.elementwise_optimizers = validate_elementwise_optimizers(elementwise_optimizers)
         if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
             timeout = timedelta(seconds=timeout)
         if timeout is not None and not isinstance(timeout, timedelta):
@@ -266,6 +273,9 @@ class ShardStrategy(ParallelStrategy):
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:
         self._reset_optimizers_and_schedulers()  # references to parameters of an earlier setup are stale
         super().setup_optimizers(trainer)
+        for optimizer in self.optimizers:
+            check_optimizer(optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer,
+                            self.elementwise_optimizers)
 
     def model_to_device(self) -> None:
         assert self.model is not None

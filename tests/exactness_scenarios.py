@@ -1,0 +1,232 @@
+"""Scenarios for "exact or loud" (run inside a gloo world, see world.py): habits of real models that make
+ranks see different things, each trained against DDP or a single process on the same global batch."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from lightning_shard.checkpoint.full import full_state_dict
+from lightning_shard.engine.shard_module import shard_module
+
+
+class Block(nn.Module):
+    """``b`` runs only on a rank whose data says so (its elements are owned by the last rank)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, h, flag):
+        h = self.a(h)
+        return h + self.b(h) if flag else h
+
+
+class Gate(nn.Module):
+    """The whole unit's parameters are used (and saved for backward) only on a rank whose data says so."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, h, flag):
+        return torch.tanh(self.lin(h)) if flag else h
+
+
+class Experts(nn.Module):
+    """Top-1 routed experts inside one unit: an expert gets no token on some ranks, or on none."""
+
+    def __init__(self, n: int = 4) -> None:
+        super().__init__()
+        self.router = nn.Linear(8, n)
+        self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(n))
+
+    def forward(self, h, flag):
+        probs = self.router(h).softmax(-1)
+        choice = probs.argmax(-1)
+        out = torch.zeros_like(h)
+        for e, expert in enumerate(self.experts):
+            rows = (choice == e).nonzero().flatten()
+            if len(rows):
+                out = out.index_add(0, rows, expert(h[rows]) * probs[rows, e : e + 1])
+        return h + out
+
+
+class BranchyNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.block, self.gate, self.moe = nn.Linear(8, 8), Block(), Gate(), Experts()
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x):
+        flag = bool(x[:, 0].mean() > 0)  # each rank's own data decides
+        h = self.stem(x)
+        h = self.moe(self.gate(self.block(h, flag), flag), flag)
+        return self.head(h)
+
+    @staticmethod
+    def batch(g: torch.Generator, world: int):
+        x = torch.randn(3 * world, 8, generator=g)
+        x[:3, 0] = x[:3, 0].abs() + 0.5  # rank 0 takes the branches, the others do not
+        x[3:, 0] = -x[3:, 0].abs() - 0.5
+        return x, torch.randn(3 * world, 1, generator=g)
+
+
+def _adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)  # decay tells grad=None from zero
+
+
+def branches(rank: int, world: int, mode: str, elide: bool, steps: int = 5):
+    g = torch.Generator().manual_seed(7)
+    batches = [BranchyNet.batch(g, world) for _ in range(steps)]
+    torch.manual_seed(0)
+    reference = BranchyNet()
+    sharded = copy.deepcopy(reference)
+    ddp = DDP(reference, find_unused_parameters=True)
+    runtime = shard_module(sharded, sharding=mode, units=["Block", "Gate", "Experts"], elide_backward_gathers=elide)
+    for model in (ddp, sharded):
+        opt = _adamw(model)
+        for x, y in batches:
+            x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    full = full_state_dict(runtime, rank0_only=False)
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(full[name], value, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, n=name: f"[{mode}, elide={elide}] {n}: {m}")
+    never_used = [n for n, p in reference.named_parameters() if p.grad is None and n.startswith("moe.experts")]
+    return {"units": [u.name for u in runtime.units], "never_used_experts": never_used}
+
+
+class Boom(torch.autograd.Function):
+    """Identity whose backward raises, as an out-of-memory inside backward would."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("boom in backward")
+
+
+class Chain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4))
+        self.head = nn.Linear(8, 1)
+        self.explode = False
+
+    def forward(self, x):
+        for i, block in enumerate(self.blocks):
+            x = block(x)
+            if self.explode and i == 1:
+                x = Boom.apply(x)
+        return self.head(x)
+
+
+def failed_backward(rank: int, world: int, mode: str, steps: int = 5, fail_at: int = 2):
+    """A step whose backward raises is skipped by the user; the next steps train exactly as if it never ran."""
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(4 * world, 8, generator=g), torch.randn(4 * world, 1, generator=g)) for _ in range(steps)]
+    torch.manual_seed(0)
+    reference = Chain()
+    sharded = copy.deepcopy(reference)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for step, (x, y) in enumerate(batches):  # one process on the global batch, the failed step left out
+        if step != fail_at:
+            nn.functional.mse_loss(reference(x), y).backward()
+            ref_opt.step()
+            ref_opt.zero_grad(set_to_none=True)
+    runtime = shard_module(sharded, sharding=mode, units=["Sequential"])
+    opt = torch.optim.SGD(sharded.parameters(), lr=0.1, momentum=0.9)
+    failures = 0
+    for step, (x, y) in enumerate(batches):
+        sharded.explode = step == fail_at
+        try:
+            nn.functional.mse_loss(sharded(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+        except RuntimeError as err:
+            assert "boom" in str(err)
+            failures += 1
+            opt.zero_grad(set_to_none=True)
+            continue
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    full = full_state_dict(runtime, rank0_only=False)
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(full[name], value, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"[{mode}] {n}: {m}")
+    return failures
+
+
+class InPlace(nn.Module):
+    """Changes in place a tensor autograd saved, inside the step (where elision's hook would be active)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        z = self.b(self.a(x)).exp()
+        z.mul_(0)
+        return z
+
+
+def inplace_on_saved(rank: int, world: int):
+    """Autograd's in-place check still fires under the default options, as without sharding."""
+    model = InPlace()
+    shard_module(model, units=["Linear"])
+    try:
+        model(torch.randn(2, 4)).sum().backward()
+    except RuntimeError as err:
+        return "modified by an inplace operation" in str(err)
+    return False
+
+
+class SparseMix(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.sparse.mm(torch.eye(4).to_sparse().requires_grad_(), self.a(x))  # saves a sparse tensor
+
+
+def sparse_saved_tensor(rank: int, world: int):
+    """A sparse tensor saved for backward inside the step, with elision on."""
+    model = SparseMix()
+    shard_module(model, units=["Linear"], elide_backward_gathers=True)
+    model(torch.randn(4, 4)).sum().backward()
+    return model.a.weight.grad is not None
+
+
+def optimizer_refused(rank: int, world: int, optimizer: str, declare: bool):
+    """A non-elementwise optimizer is refused at setup, naming it; a declared one trains."""
+    import lightning as L
+
+    from lightning_shard import ShardStrategy
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+
+        def training_step(self, batch, _):
+            return self.net(batch).sum()
+
+        def configure_optimizers(self):
+            return getattr(torch.optim, optimizer)(self.parameters(), lr=1e-3)
+
+    declared = [getattr(torch.optim, optimizer)] if declare else []
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=ShardStrategy(elementwise_optimizers=declared),
+                        max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    try:
+        trainer.fit(Module(), torch.utils.data.DataLoader(torch.randn(8, 4), batch_size=2))
+    except ValueError as err:
+        return str(err)
+    return "trained"

@@ -1,0 +1,48 @@
+"""Exact or loud: habits of real models trained like DDP, or refused at once with the cause (issue 14)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests import exactness_scenarios as scenarios
+from tests.world import run_world
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.mark.parametrize("world,mode,elide", [(2, "full", False), (2, "full", True), (2, "grad_op", False),
+                                              (2, "none", False), (3, "full", False), (3, "full", True)])
+def test_parameters_used_on_some_ranks_match_ddp(world, mode, elide):
+    results = run_world(scenarios.branches, world, mode, elide, timeout=300)
+    assert results[0]["units"] == ["block", "gate", "moe", "<root>"]
+    # the data leaves some expert without a token on every rank: it keeps grad=None, as under DDP
+    assert results[0]["never_used_experts"]
+
+
+@pytest.mark.parametrize("mode", ["full", "grad_op"])
+def test_a_backward_that_raised_leaves_the_next_steps_exact(mode):
+    assert run_world(scenarios.failed_backward, 2, mode, timeout=300) == [1, 1]
+
+
+def test_autograd_inplace_check_holds_by_default():
+    assert run_world(scenarios.inplace_on_saved, 2, timeout=200) == [True, True]
+
+
+def test_sparse_saved_tensors_with_elision():
+    assert run_world(scenarios.sparse_saved_tensor, 2, timeout=200) == [True, True]
+
+
+def test_non_elementwise_optimizer_is_refused_naming_it():
+    message = run_world(scenarios.optimizer_refused, 1, "Adafactor", False, timeout=200)[0]
+    assert "torch.optim.Adafactor is not known to update parameters elementwise" in message
+    assert "elementwise_optimizers=[Adafactor]" in message
+    assert run_world(scenarios.optimizer_refused, 1, "AdamW", False, timeout=200) == ["trained"]
+    assert run_world(scenarios.optimizer_refused, 1, "Adafactor", True, timeout=200) == ["trained"]
+
+
+def test_elementwise_optimizers_option_is_checked():
+    from lightning_shard import ShardStrategy
+
+    with pytest.raises(ValueError, match="`elementwise_optimizers` must be a list of torch.optim.Optimizer"):
+        ShardStrategy(elementwise_optimizers=["AdamW"])
