@@ -31,6 +31,7 @@ class CommStats:
     collectives: int = 0
     exposed_seconds: float = 0.0  # time the compute path spent blocked in wait()
     skipped_gathers: int = 0  # backward all-gathers found unnecessary (see ShardRuntime) and not issued
+    agreements: int = 0  # tiny all-reduces by which the ranks share a decision (not counted as bytes above)
 
     def as_dict(self) -> dict[str, float]:
         return dict(self.__dict__)
@@ -129,3 +130,10 @@ def all_reduce(flat: Tensor, group, stats: CommStats, async_op: bool = False, la
     stats.all_reduce_bytes += 2 * flat.numel() * flat.element_size()  # a reduce-scatter plus an all-gather
     launch = functools.partial(dist.all_reduce, flat, op=op, group=group)
     return _run(launch, flat, stats, async_op, label=label)
+
+
+def agree(flags: Tensor, group, stats: CommStats, label: str) -> Tensor:
+    """The elementwise max of a small flag tensor over all ranks, in place: a decision every rank shares."""
+    stats.agreements += 1
+    launch = functools.partial(dist.all_reduce, flags, op=dist.ReduceOp.MAX, group=group)
+    return _run(launch, flags, stats, False, label=label).result

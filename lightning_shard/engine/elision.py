@@ -51,8 +51,7 @@ class BackwardElision:
         self._saved_hooks = None
         if self.world_size > 1:  # a unit any rank saved is gathered on all of them
             saved = torch.tensor([unit.saved_for_backward for unit in self.units], dtype=torch.uint8)
-            collectives.all_reduce(saved, self.group, self.stats, label="all-reduce of the saved-parameter flags",
-                                   op=dist.ReduceOp.MAX).wait()
+            collectives.agree(saved, self.group, self.stats, label="agreement on the units to gather in backward")
             for unit, flag in zip(self.units, saved.tolist()):
                 unit.saved_for_backward = bool(flag)
 

@@ -88,8 +88,7 @@ class GradientReducer:
             mask[used] = 1
         agreed = torch.cat(masks)
         if self.world_size > 1:
-            collectives.all_reduce(agreed, self.group, self.stats, label="all-reduce of the used-parameter masks",
-                                   op=dist.ReduceOp.MAX).wait()
+            collectives.agree(agreed, self.group, self.stats, label="agreement on the parameters used")
         for (unit, shard_grad, _), mask in zip(reduced, agreed.split([len(m) for m in masks])):
             unit.storage.accumulate_shard_grad(shard_grad, mask.nonzero().flatten().tolist())
 
