@@ -230,3 +230,57 @@ def optimizer_refused(rank: int, world: int, optimizer: str, declare: bool):
     except ValueError as err:
         return str(err)
     return "trained"
+
+
+class Twice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.block, self.head = nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.Tanh()), nn.Linear(4, 1)
+
+    def forward(self, x):
+        h = self.block(self.block(self.stem(x)))  # one unit called twice
+        return self.head(h), h
+
+
+def two_backwards(rank: int, world: int, mode: str):
+    """Two backward passes through one graph (retain_graph), a unit called twice: DDP's numbers."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4 * world, 4, generator=g)
+    torch.manual_seed(0)
+    reference = Twice()
+    sharded = copy.deepcopy(reference)
+    ddp = DDP(reference)
+    runtime = shard_module(sharded, sharding=mode, units=["Sequential"])
+    for model in (ddp, sharded):
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        for _ in range(2):
+            out, h = model(x.chunk(world)[rank])
+            out.sum().backward(retain_graph=True)
+            h.pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    full = full_state_dict(runtime, rank0_only=False)
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(full[name], value, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"[{mode}] {n}: {m}")
+    return True
+
+
+class AuxOnSomeRanks(nn.Module):
+    """An auxiliary head whose loss term only some ranks' data adds: its backward runs on those ranks only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk, self.head, self.aux = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)  # equal sizes
+
+    def forward(self, x):
+        h = self.trunk(x)
+        loss, aux = self.head(h).sum(), self.aux(h).sum()
+        return loss + aux if x[:, 0].mean() > 0 else loss
+
+
+def aux_on_some_ranks(rank: int, world: int):
+    model = AuxOnSomeRanks()
+    shard_module(model, sharding="grad_op", units=["Linear"])  # no backward gathers: only the reductions differ
+    x = torch.randn(4, 8)
+    x[:, 0] = x[:, 0].abs() + 0.5 if rank == 0 else -x[:, 0].abs() - 0.5
+    model(x).backward()

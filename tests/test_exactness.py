@@ -12,7 +12,7 @@ pytestmark = pytest.mark.timeout(600)
 
 
 @pytest.mark.parametrize("world,mode,elide", [(2, "full", False), (2, "full", True), (2, "grad_op", False),
-                                              (2, "none", False), (3, "full", False), (3, "full", True)])
+                                              (2, "none", False), (3, "full", True)])
 def test_parameters_used_on_some_ranks_match_ddp(world, mode, elide):
     results = run_world(scenarios.branches, world, mode, elide, timeout=300)
     assert results[0]["units"] == ["block", "gate", "moe", "<root>"]
@@ -46,3 +46,14 @@ def test_elementwise_optimizers_option_is_checked():
 
     with pytest.raises(ValueError, match="`elementwise_optimizers` must be a list of torch.optim.Optimizer"):
         ShardStrategy(elementwise_optimizers=["AdamW"])
+
+
+@pytest.mark.parametrize("mode", ["full", "none"])
+def test_two_backwards_through_a_unit_called_twice(mode):
+    assert run_world(scenarios.two_backwards, 2, mode, timeout=200) == [True, True]
+
+
+def test_a_units_backward_on_some_ranks_only_is_an_error_not_a_silent_swap():
+    with pytest.raises(AssertionError) as failure:
+        run_world(scenarios.aux_on_some_ranks, 2, timeout=200)
+    assert str(failure.value).count("ranks reduced the units' gradients in different orders") == 2

@@ -191,9 +191,9 @@ class ShardRuntime:
     def _post_forward(self, unit: Unit, module: nn.Module, output: Any) -> Any:
         grad_enabled = torch.is_grad_enabled()
         order = self.schedule.order
-        # backward starts with the last unit: freeing it now would only mean gathering it again at once
-        keep_for_backward = (grad_enabled and bool(order) and unit is order[-1]
-                             and self.elision.needs_backward_gather(unit))
+        # backward starts with the last unit: freeing it now would only mean gathering it again at once (kept
+        # whether or not elision would skip it: that is agreed only at the end of forward)
+        keep_for_backward = grad_enabled and bool(order) and unit is order[-1]
         # a recomputation inside backward: the unit's backward follows at once and frees it
         recomputing = self._final_callback_queued
         if (module is unit.members[-1] and not keep_for_backward and not recomputing

@@ -50,10 +50,11 @@ class GradientReducer:
         finally:
             self.sync_grads = previous
 
-    def reduce(self, unit: Unit) -> None:
-        """Start reducing the unit's gradients (nothing to do if it has none, or while not syncing)."""
+    def reduce(self, unit: Unit, sweep: bool = False) -> None:
+        """Start reducing the unit's gradients (a unit's post-backward; ``sweep``: the end of backward, for
+        units not reduced yet). A unit called twice whose post-backward fires twice reduces twice."""
         storage = unit.storage
-        if not self.sync_grads or not storage.trainable or id(unit) in self._done:
+        if not self.sync_grads or not storage.trainable or (sweep and id(unit) in self._done):
             return
         self._done.add(id(unit))
         flat, used = storage.take_unsharded_grads(self.reduce_dtype or storage.master_dtype)
@@ -76,24 +77,42 @@ class GradientReducer:
         """End of backward: reduce the units whose post-backward did not fire (inputs without grad, the root),
         then wait for every reduction and hand the gradient shards to the shard parameters."""
         for unit in self.units:
-            self.reduce(unit)
+            self.reduce(unit, sweep=True)
         while self._pending:
             self._complete_oldest()
         self._done.clear()
         reduced, self._reduced = self._reduced, []
         if not reduced:
             return
-        masks = [torch.zeros(len(unit.storage.slots), dtype=torch.uint8) for unit, _, _ in reduced]
-        for mask, (_, _, used) in zip(masks, reduced):
-            mask[used] = 1
-        agreed = torch.cat(masks)
+        # one flag per slot, in the units' fixed order: the same layout on every rank, whatever order the
+        # reductions completed in
+        sizes = [len(unit.storage.slots) for unit in self.units]
+        start = dict(zip(map(id, self.units), [sum(sizes[:i]) for i in range(len(sizes))]))
+        used_anywhere = torch.zeros(sum(sizes), dtype=torch.int64)
+        for unit, _, used in reduced:
+            used_anywhere[[start[id(unit)] + i for i in used]] = 1
         if self.world_size > 1:
-            collectives.agree(agreed, self.group, self.stats, label="agreement on the parameters used")
-        for (unit, shard_grad, _), mask in zip(reduced, agreed.split([len(m) for m in masks])):
-            unit.storage.accumulate_shard_grad(shard_grad, mask.nonzero().flatten().tolist())
+            # the same collective also checks that every rank reduced the units in the same order: where it
+            # did not (a unit's backward ran on some ranks only), the reductions summed unrelated gradients
+            order = _order_hash([self.units.index(unit) for unit, _, _ in reduced])
+            device = self.units[0].storage.shard.device  # NCCL reduces device tensors only
+            agreed = collectives.agree(torch.cat([used_anywhere, torch.tensor([order, -order])]).to(device),
+                                       self.group, self.stats, label="agreement on the parameters used").cpu()
+            used_anywhere, (high, low) = agreed[:-2], agreed[-2:].tolist()
+            if high != -low:
+                raise RuntimeError(
+                    "lightning_shard: ranks reduced the units' gradients in different orders, so they summed"
+                    " unrelated gradients. A unit's backward ran on some ranks only (a loss term or a unit used"
+                    " on some ranks' data only); every rank must run the same units' backward."
+                )
+        for unit, shard_grad, _ in reduced:
+            flags = used_anywhere[start[id(unit)] : start[id(unit)] + len(unit.storage.slots)]
+            unit.storage.accumulate_shard_grad(shard_grad, flags.nonzero().flatten().tolist())
 
     def abandon(self) -> None:
-        """A backward that raised: wait for what is in flight (the collectives were issued), keep nothing."""
+        """A backward that raised on every rank at the same point: wait for what is in flight (the collectives
+        were issued everywhere), keep nothing. A rank-local failure cannot be recovered: the other ranks
+        wait in their next collective until the process group timeout turns it into an error."""
         for _, pending, _ in self._pending:
             pending.wait()
         self._pending.clear()
@@ -106,10 +125,18 @@ class GradientReducer:
 
     def first_nonfinite(self) -> Optional[Unit]:
         """The first unit with a non-finite gradient shard on any rank (all ranks get the same answer)."""
-        finite = torch.tensor([float(unit.storage.grads_finite()) for unit in self.units])
+        device = self.units[0].storage.shard.device  # NCCL reduces device tensors only
+        finite = torch.tensor([float(unit.storage.grads_finite()) for unit in self.units], device=device)
         if self.world_size > 1:
             collectives.all_reduce(finite, self.group, self.stats, label="all-reduce of gradient finiteness",
                                    op=dist.ReduceOp.MIN).wait()
         if bool(finite.all()):
             return None
         return self.units[int((finite == 0).nonzero()[0])]
+
+
+def _order_hash(indices: list[int]) -> int:
+    value = 0
+    for i in indices:
+        value = (value * 1_000_003 + i + 1) % (2**61 - 1)
+    return value

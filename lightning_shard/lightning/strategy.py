@@ -25,7 +25,7 @@ from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
-from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.core.optimizer import LightningOptimizer, _MockOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
@@ -274,8 +274,9 @@ class ShardStrategy(ParallelStrategy):
         self._reset_optimizers_and_schedulers()  # references to parameters of an earlier setup are stale
         super().setup_optimizers(trainer)
         for optimizer in self.optimizers:
-            check_optimizer(optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer,
-                            self.elementwise_optimizers)
+            optimizer = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+            if not isinstance(optimizer, _MockOptimizer):  # configure_optimizers returned None
+                check_optimizer(optimizer, self.elementwise_optimizers)
 
     def model_to_device(self) -> None:
         assert self.model is not None
