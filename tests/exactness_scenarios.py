@@ -243,22 +243,30 @@ class Twice(nn.Module):
 
 
 def two_backwards(rank: int, world: int, mode: str):
-    """Two backward passes through one graph (retain_graph), a unit called twice: DDP's numbers."""
+    """Two backward passes through one graph (retain_graph), a unit called twice: the gradients DDP means
+    (the ranks' gradients averaged), computed in one process over every rank's chunk as the reference."""
     g = torch.Generator().manual_seed(5)
     x = torch.randn(4 * world, 4, generator=g)
     torch.manual_seed(0)
     reference = Twice()
     sharded = copy.deepcopy(reference)
-    ddp = DDP(reference)
     runtime = shard_module(sharded, sharding=mode, units=["Sequential"])
-    for model in (ddp, sharded):
-        opt = torch.optim.SGD(model.parameters(), lr=0.5)
-        for _ in range(2):
-            out, h = model(x.chunk(world)[rank])
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    opt = torch.optim.SGD(sharded.parameters(), lr=0.5)
+    for _ in range(2):
+        for chunk in x.chunk(world):
+            out, h = reference(chunk)
             out.sum().backward(retain_graph=True)
             h.pow(2).sum().backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        for p in reference.parameters():
+            p.grad /= world
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        out, h = sharded(x.chunk(world)[rank])
+        out.sum().backward(retain_graph=True)
+        h.pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
     full = full_state_dict(runtime, rank0_only=False)
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(full[name], value, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"[{mode}] {n}: {m}")
