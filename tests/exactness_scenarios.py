@@ -14,6 +14,13 @@ from lightning_shard.checkpoint.full import full_state_dict
 from lightning_shard.engine.shard_module import shard_module
 
 
+def assert_matches(runtime, reference: nn.Module, tag: str) -> None:
+    """The sharded model's full state equals the reference's, to float32 rounding."""
+    full = full_state_dict(runtime, rank0_only=False)
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(full[name], value, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"[{tag}] {n}: {m}")
+
+
 class Block(nn.Module):
     """``b`` runs only on a rank whose data says so (its elements are owned by the last rank)."""
 
@@ -95,10 +102,7 @@ def branches(rank: int, world: int, mode: str, elide: bool, steps: int = 5):
             nn.functional.mse_loss(model(x), y).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-    full = full_state_dict(runtime, rank0_only=False)
-    for name, value in reference.state_dict().items():
-        torch.testing.assert_close(full[name], value, rtol=1e-5, atol=1e-6,
-                                   msg=lambda m, n=name: f"[{mode}, elide={elide}] {n}: {m}")
+    assert_matches(runtime, reference, f"{mode}, elide={elide}")
     never_used = [n for n, p in reference.named_parameters() if p.grad is None and n.startswith("moe.experts")]
     return {"units": [u.name for u in runtime.units], "never_used_experts": never_used}
 
@@ -157,9 +161,7 @@ def failed_backward(rank: int, world: int, mode: str, steps: int = 5, fail_at: i
             continue
         opt.step()
         opt.zero_grad(set_to_none=True)
-    full = full_state_dict(runtime, rank0_only=False)
-    for name, value in reference.state_dict().items():
-        torch.testing.assert_close(full[name], value, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"[{mode}] {n}: {m}")
+    assert_matches(runtime, reference, mode)
     return failures
 
 
@@ -267,9 +269,7 @@ def two_backwards(rank: int, world: int, mode: str):
         h.pow(2).sum().backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    full = full_state_dict(runtime, rank0_only=False)
-    for name, value in reference.state_dict().items():
-        torch.testing.assert_close(full[name], value, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"[{mode}] {n}: {m}")
+    assert_matches(runtime, reference, mode)
     return True
 
 
@@ -292,3 +292,98 @@ def aux_on_some_ranks(rank: int, world: int):
     x = torch.randn(4, 8)
     x[:, 0] = x[:, 0].abs() + 0.5 if rank == 0 else -x[:, 0].abs() - 0.5
     model(x).backward()
+
+
+class Finetuned(nn.Module):
+    """A backbone of two units and a head, frozen and unfrozen between steps as fine-tuning callbacks do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Sequential(*(nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(2)))
+        self.head = nn.Linear(6, 1)
+
+    def forward(self, x):
+        return self.head(self.backbone(x))
+
+
+def freeze_unfreeze(rank: int, world: int, mode: str, steps: int = 6):
+    """Backbone frozen at setup and unfrozen at step 2 with a param group of its own (BackboneFinetuning's
+    way), the head frozen at step 4, one backbone layer frozen again at step 5: one process on the global
+    batch is the reference."""
+    g = torch.Generator().manual_seed(11)
+    batches = [(torch.randn(3 * world, 6, generator=g), torch.randn(3 * world, 1, generator=g)) for _ in range(steps)]
+    torch.manual_seed(0)
+    reference = Finetuned()
+    reference.backbone.requires_grad_(False)
+    sharded = copy.deepcopy(reference)
+    runtime = shard_module(sharded, sharding=mode, units=["Sequential"])
+    for model, chunk in ((reference, slice(None)), (sharded, slice(3 * rank, 3 * rank + 3))):
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+        for step, (x, y) in enumerate(batches):
+            if step == 2:
+                model.backbone.requires_grad_(True)
+                opt.add_param_group({"params": list(model.backbone.parameters()), "lr": 3e-3})
+            if step == 4:
+                model.head.requires_grad_(False)
+            if step == 5:
+                model.backbone[0].requires_grad_(False)
+            nn.functional.mse_loss(model(x[chunk]), y[chunk]).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    assert_matches(runtime, reference, mode)
+    return [name for name, p in sharded.named_parameters() if p.requires_grad]
+
+
+def freeze_on_one_rank(rank: int, world: int):
+    """A rank that freezes a layer the others train: an error naming the cause on every rank."""
+    model = Finetuned()
+    shard_module(model, sharding="grad_op", units=["Sequential"])
+    model(torch.randn(2, 6)).sum().backward()
+    if rank == 1:
+        model.head.requires_grad_(False)
+    model(torch.randn(2, 6)).sum().backward()
+
+
+def backbone_finetuning(rank: int, world: int):
+    """Lightning's BackboneFinetuning (freezes the backbone at setup, unfreezes it at epoch 1 with a param group
+    of its own) under the strategy on ``world`` ranks, each fed its chunk of every global batch, against plain
+    Lightning in one process on the global batches."""
+    import lightning as L
+    from lightning.pytorch.callbacks import BackboneFinetuning
+
+    from lightning_shard import ShardStrategy
+
+    g = torch.Generator().manual_seed(13)
+    data = [(torch.randn(2 * world, 6, generator=g), torch.randn(2 * world, 1, generator=g)) for _ in range(3)]
+
+    class Module(L.LightningModule):
+        def __init__(self, chunk: slice) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.model, self.chunk = Finetuned(), chunk
+
+        @property
+        def backbone(self):
+            return self.model.backbone
+
+        def training_step(self, batch, _):
+            x, y = batch
+            return nn.functional.mse_loss(self.model(x[self.chunk]), y[self.chunk])
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+
+    def fit(strategy, devices, chunk):
+        module = Module(chunk)
+        trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_epochs=3, logger=False,
+                            callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1)], use_distributed_sampler=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=None, collate_fn=lambda b: b))
+        return module, trainer
+
+    sharded, trainer = fit(ShardStrategy(units=["Sequential"]), world, slice(2 * rank, 2 * rank + 2))
+    full = full_state_dict(trainer.strategy.runtime, rank0_only=False)
+    reference, _ = fit("auto", 1, slice(None))
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(full[name], value, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    return len(trainer.optimizers[0].param_groups)

@@ -57,3 +57,19 @@ def test_a_units_backward_on_some_ranks_only_is_an_error_not_a_silent_swap():
     with pytest.raises(AssertionError) as failure:
         run_world(scenarios.aux_on_some_ranks, 2, timeout=200)
     assert str(failure.value).count("ranks reduced the units' gradients in different orders") == 2
+
+
+@pytest.mark.parametrize("mode", ["full", "grad_op"])
+def test_freezing_and_unfreezing_between_steps_trains_like_one_process(mode):
+    trainable = run_world(scenarios.freeze_unfreeze, 2, mode, timeout=200)[0]
+    assert trainable == ["backbone.1.0.weight", "backbone.1.0.bias"]
+
+
+def test_ranks_that_freeze_different_parameters_are_told():
+    with pytest.raises(AssertionError) as failure:
+        run_world(scenarios.freeze_on_one_rank, 2, timeout=200)
+    assert str(failure.value).count("ranks train different parameters") == 2
+
+
+def test_lightning_backbone_finetuning_unfreezes_exactly():
+    assert run_world(scenarios.backbone_finetuning, 2, timeout=300) == [2, 2]

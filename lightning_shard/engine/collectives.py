@@ -137,3 +137,11 @@ def agree(flags: Tensor, group, stats: CommStats, label: str) -> Tensor:
     stats.agreements += 1
     launch = functools.partial(dist.all_reduce, flags, op=dist.ReduceOp.MAX, group=group)
     return _run(launch, flags, stats, False, label=label).result
+
+
+def fingerprint(values: list[int]) -> int:
+    """A hash of a list of small ints that fits int64, for agreements: ranks compare ``[h, -h]`` under MAX."""
+    value = 0
+    for i in values:
+        value = (value * 1_000_003 + i + 1) % (2**61 - 1)
+    return value

@@ -131,8 +131,18 @@ class FlatShard:
                 module._parameters[attr] = param
 
     # -- gradients ----------------------------------------------------------------------------------
-    def has_unsharded_grads(self) -> bool:
-        return any(self.gathered_params[i].grad is not None for i in self.trainable)
+    def sync_requires_grad(self) -> list[nn.Parameter]:
+        """Follow ``requires_grad`` set on the shard parameters since setup (what a fine-tuning callback freezing
+        or unfreezing layers between steps touches); returns the gathered parameters that became trainable.
+        ``ParamSlot.requires_grad`` stays the value at setup."""
+        flags = [param.requires_grad for param in self.shard_params]
+        if flags == [param.requires_grad for param in self.gathered_params]:
+            return []
+        unfrozen = [gathered for flag, gathered in zip(flags, self.gathered_params) if flag and not gathered.requires_grad]
+        for flag, gathered in zip(flags, self.gathered_params):
+            gathered.requires_grad_(flag)
+        self.trainable = [i for i, flag in enumerate(flags) if flag]
+        return unfrozen
 
     def take_unsharded_grads(self, dtype: torch.dtype) -> tuple[Tensor, list[int]]:
         """Flatten the gathered parameters' gradients into one padded buffer and release them.

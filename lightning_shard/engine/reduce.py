@@ -94,7 +94,7 @@ class GradientReducer:
         if self.world_size > 1:
             # the same collective also checks that every rank reduced the units in the same order: where it
             # did not (a unit's backward ran on some ranks only), the reductions summed unrelated gradients
-            order = _order_hash([self.units.index(unit) for unit, _, _ in reduced])
+            order = collectives.fingerprint([self.units.index(unit) for unit, _, _ in reduced])
             device = self.units[0].storage.shard.device  # NCCL reduces device tensors only
             agreed = collectives.agree(torch.cat([used_anywhere, torch.tensor([order, -order])]).to(device),
                                        self.group, self.stats, label="agreement on the parameters used").cpu()
@@ -134,9 +134,3 @@ class GradientReducer:
             return None
         return self.units[int((finite == 0).nonzero()[0])]
 
-
-def _order_hash(indices: list[int]) -> int:
-    value = 0
-    for i in indices:
-        value = (value * 1_000_003 + i + 1) % (2**61 - 1)
-    return value
