@@ -21,14 +21,23 @@ from typing import Any, Optional, Union
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_shard.checkpoint import files
 from lightning_shard.checkpoint.sharded import MODEL_PREFIX, optimizer_prefix, read_metadata
 
 
-def consolidate(directory: Union[str, Path], out: Optional[Union[str, Path]] = None) -> dict[str, Any]:
-    """Read a sharded checkpoint whole; write it to ``out`` (atomically) if given; return it."""
+def consolidate(directory: Union[str, Path], out: Optional[Union[str, Path]] = None,
+                model: Optional[nn.Module] = None) -> dict[str, Any]:
+    """Read a sharded checkpoint whole; write it to ``out`` (atomically) if given; return it.
+
+    A sharded checkpoint names parameters as ``named_parameters()`` does, not as the model's state-dict hooks
+    would. Pass the plain (unsharded) ``model`` whose checkpoint it is and ``state_dict`` comes out of its
+    ``state_dict()``, hooks and all, with the checkpoint's tensors put in its place (it keeps them): the keys
+    ``state_dict_type="full"`` writes. Without it the keys are the checkpoint's, right only for a model with
+    no renaming state-dict hooks.
+    """
     directory = files.resolve(Path(directory))
     if directory.is_file():
         raise files.CheckpointError(f"{str(directory)!r} is a file, already a full checkpoint.")
@@ -42,6 +51,8 @@ def consolidate(directory: Union[str, Path], out: Optional[Union[str, Path]] = N
 
     checkpoint = files.load_weights(directory / files.META, "checkpoint metadata")
     checkpoint["state_dict"] = {k[len(MODEL_PREFIX):]: v for k, v in tensors.items() if k.startswith(MODEL_PREFIX)}
+    if model is not None:
+        checkpoint["state_dict"] = _through_hooks(model, checkpoint["state_dict"])
     checkpoint["optimizer_states"] = [
         _full_optimizer_state(tensors, optimizer_prefix(i), saved)
         for i, saved in enumerate(checkpoint.get("optimizer_states", []))
@@ -52,6 +63,25 @@ def consolidate(directory: Union[str, Path], out: Optional[Union[str, Path]] = N
         torch.save(checkpoint, partial)
         files.commit(partial, out)
     return checkpoint
+
+
+def _through_hooks(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """``model.state_dict()`` once its parameters and buffers are ``state``'s tensors. A buffer may be saved
+    under its hooked name (the sharded model's ``state_dict()`` key), found through the tensor it stands for."""
+    hooked = {id(v): k for k, v in model.state_dict(keep_vars=True).items()}
+    for (name, tensor), kind in [*((p, "_parameters") for p in model.named_parameters(remove_duplicate=False)),
+                                 *((b, "_buffers") for b in model.named_buffers(remove_duplicate=False))]:
+        module_name, _, attr = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        if kind == "_buffers" and attr in module._non_persistent_buffers_set:
+            continue
+        value = state.get(name, state.get(hooked.get(id(tensor), "")))
+        if value is None:
+            raise files.CheckpointError(f"The checkpoint holds no {name!r}: it is not a checkpoint of this model.")
+        if kind == "_parameters":
+            value = nn.Parameter(value, requires_grad=tensor.requires_grad)
+        getattr(module, kind)[attr] = value
+    return {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in model.state_dict().items()}
 
 
 def _full_optimizer_state(tensors: dict[str, torch.Tensor], prefix: str, saved: dict[str, Any]) -> dict[str, Any]:

@@ -9,17 +9,18 @@ a non-elementwise tensor state is refused with a clear error rather than silentl
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_shard.checkpoint.weights import TensorSource, load_into
 from lightning_shard.engine import collectives
-from lightning_shard.engine.flat_shard import FlatShard
+from lightning_shard.engine.flat_shard import FlatShard, ParamSlot
 from lightning_shard.engine.hooks import ShardRuntime
 
 
@@ -32,23 +33,42 @@ def gather_master(runtime: ShardRuntime, storage: FlatShard) -> Tensor:
 
 
 @torch.no_grad()
-def full_state_dict(runtime: ShardRuntime, rank0_only: bool = True) -> dict[str, Tensor]:
-    """The state dict of the unsharded module, on CPU, with the original names and shapes.
+def full_state_dict(runtime: ShardRuntime, rank0_only: bool = True) -> dict[str, Any]:
+    """What ``state_dict()`` of the unsharded module returns (on CPU): its keys, after any state-dict hooks
+    (``_register_state_dict_hook``, ``register_state_dict_post_hook``, ``_save_to_state_dict`` overrides ...),
+    and its full values. The units are gathered one at a time into CPU copies, then registered in the
+    module tree in place of the shards while ``state_dict()`` runs, so every hook sees full tensors.
 
-    Every rank must call it (it all-gathers); with ``rank0_only`` other ranks get ``{}``.
+    Every rank must call it (it all-gathers); with ``rank0_only`` other ranks get ``{}`` and keep nothing.
     """
     keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
-    state = runtime.root.state_dict() if keep else {}
+    full: list[tuple[ParamSlot, Tensor]] = []
     for unit in runtime.units:
         flat = gather_master(runtime, unit.storage)
-        if not keep:
-            continue
-        for slot in unit.storage.slots:
-            value = flat[slot.offset : slot.offset + slot.numel].view(slot.shape).cpu().clone()
-            for name in slot.names:
-                if name in state:
-                    state[name] = value
-    return {k: v.detach().cpu() for k, v in state.items()} if keep else {}
+        if keep:
+            full += [(slot, nn.Parameter(flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
+                                         .to("cpu", copy=True), requires_grad=shard.requires_grad))
+                     for slot, shard in zip(unit.storage.slots, unit.storage.shard_params)]
+        del flat
+    if not keep:
+        return {}
+    with _registered(full), runtime.plain_state_dict():
+        state = runtime.root.state_dict()
+    return {k: v.detach().cpu() if isinstance(v, Tensor) else v for k, v in state.items()}
+
+
+@contextmanager
+def _registered(full: list[tuple[ParamSlot, Tensor]]) -> Iterator[None]:
+    """The module tree holds ``full``'s tensors where their slots live (ties included), then what it held."""
+    held = [(module, attr, module._parameters[attr]) for slot, _ in full for module, attr in slot.locations]
+    try:
+        for slot, value in full:
+            for module, attr in slot.locations:
+                module._parameters[attr] = value
+        yield
+    finally:
+        for module, attr, param in held:
+            module._parameters[attr] = param
 
 
 def load_full_state_dict(runtime: ShardRuntime, state: Mapping[str, Tensor], strict: bool = True) -> None:

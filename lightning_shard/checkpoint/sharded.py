@@ -59,7 +59,9 @@ def _view(storage: FlatShard, slot: ParamSlot, local: Tensor) -> Any:
 
 def _buffers(runtime: ShardRuntime) -> dict[str, Tensor]:
     params = {name for _, slot, _ in _slots(runtime) for name in slot.names}
-    return {k: v for k, v in runtime.root.state_dict().items() if k not in params}
+    with runtime.plain_state_dict():
+        state = runtime.root.state_dict()
+    return {k: v for k, v in state.items() if k not in params}
 
 
 # -- model ------------------------------------------------------------------------------------------

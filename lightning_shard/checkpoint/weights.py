@@ -14,7 +14,10 @@ from pathlib import Path
 from typing import Any, Union
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _NormBase
+from torch.nn.modules.instancenorm import _InstanceNorm
+from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX, _IncompatibleKeys
 
 from lightning_shard.checkpoint.files import CheckpointError, load_weights
 from lightning_shard.engine.hooks import ShardRuntime
@@ -36,6 +39,10 @@ class TensorSource:
         return self.state[name].reshape(-1)[lo:hi]
 
     def whole(self, name: str) -> Tensor:
+        return self.state[name]
+
+    def value(self, name: str) -> Any:
+        """What the model's load hooks get under ``name``."""
         return self.state[name]
 
 
@@ -63,6 +70,16 @@ class SafetensorsSource:
     def whole(self, name: str) -> Tensor:
         return self.handle.get_tensor(name)
 
+    def value(self, name: str) -> Tensor:
+        """What the model's load hooks get under ``name``: a meta tensor of its shape and dtype (read later)."""
+        dtype = _SAFETENSORS_DTYPES.get(self.handle.get_slice(name).get_dtype(), torch.float32)
+        return torch.empty(self.shape(name), dtype=dtype, device="meta")
+
+
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                       "U8": torch.uint8, "BOOL": torch.bool}
+
 
 @contextmanager
 def open_weights(path: Union[str, Path]) -> Iterator[Union[TensorSource, SafetensorsSource]]:
@@ -86,33 +103,194 @@ def open_weights(path: Union[str, Path]) -> Iterator[Union[TensorSource, Safeten
 def load_into(runtime: ShardRuntime, source: Union[TensorSource, SafetensorsSource], strict: bool = True,
               prefix: str = "") -> tuple[list[str], list[str]]:
     """Copy ``source`` into the sharded model; model name = ``prefix`` + source name. Returns (missing,
-    unexpected) like ``load_state_dict``; with ``strict`` either raises, as does any shape mismatch."""
-    available = source.names()
+    unexpected) like ``load_state_dict``; with ``strict`` either raises, as does any shape mismatch.
+
+    The names go through the model's load pre-hooks first, as in ``nn.Module.load_state_dict`` (see
+    ``_KeyWalk``), so a state dict of the plain model loads whatever its hooks rename. Nothing is copied
+    before every name and shape has been checked (but by a module without sharded parameters that loads
+    itself, as it would unsharded). Tied weights need only one of their names.
+    """
     slots = [(unit, slot, param) for unit in runtime.units
              for slot, param in zip(unit.storage.slots, unit.storage.shard_params)]
-    param_names = {name for _, slot, _ in slots for name in slot.names}
-    buffers = {k: v for k, v in runtime.root.state_dict().items() if k.startswith(prefix) and k not in param_names}
-    wanted = {name for name in param_names if name.startswith(prefix)} | set(buffers)
-    unexpected = sorted(n for n in available if prefix + n not in wanted)
-    missing = []
-    for _, slot, _ in slots:
-        names = [n[len(prefix):] for n in slot.names if n.startswith(prefix)]
-        if names and not any(n in available for n in names):  # any one name of tied weights will do
-            missing.append(prefix + names[0])
-    missing += [b for b in buffers if b[len(prefix):] not in available]
+    walk = _KeyWalk(slots, source, prefix)
+    walk.load(runtime.root, walk.initial(), "")
+    missing, unexpected = walk.incompatible()
     if strict and (missing or unexpected):
         raise CheckpointError(f"The weights do not fit the model: missing {missing[:8]}{'...' if len(missing) > 8 else ''},"
                               f" unexpected {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}.")
-    for unit, slot, param in slots:
-        name = next((n[len(prefix):] for n in slot.names if n.startswith(prefix) and n[len(prefix):] in available), None)
-        if name is None:
-            continue
-        if source.shape(name) != slot.shape:
-            raise CheckpointError(f"Shape mismatch for {prefix + name!r}: weights {tuple(source.shape(name))},"
-                                  f" model {tuple(slot.shape)}.")
-        param.copy_(source.read(name, *unit.storage.param_range(slot, unit.storage.rank)))
-    for name, buffer in buffers.items():
-        if name[len(prefix):] in available:
-            buffer.copy_(source.whole(name[len(prefix):]))
+    if walk.mismatched or walk.errors:
+        raise CheckpointError(" ".join(walk.mismatched[:8]) + (" Loading failed: " + "; ".join(walk.errors)
+                                                               if walk.errors else ""))
+    for i, (key, value) in walk.params.items():
+        unit, slot, param = slots[i]
+        param.copy_(walk.read(value, *unit.storage.param_range(slot, unit.storage.rank)))
+    for buffer, value in walk.buffers:
+        buffer.copy_(walk.whole(value))
+    for module, value in walk.extra_states:
+        module.set_extra_state(walk.whole(value) if isinstance(value, Tensor) else value)
     runtime.refresh_gathered()
     return missing, unexpected
+
+
+# torch's BatchNorm / InstanceNorm loaders: they only fill in or drop buffer keys of checkpoints from old torch
+# versions, then load as nn.Module does; walked as nn.Module's (without those fixes), not refused
+_TORCH_LOADERS = {_NormBase._load_from_state_dict, _InstanceNorm._load_from_state_dict}
+
+
+class _KeyWalk:
+    """``nn.Module.load_state_dict``'s walk over the module tree, minus the copies: per module, in the same
+    order and with the same prefix and per-module dict, its load pre-hooks rename (or recompute) the keys,
+    then its own parameters, persistent buffers and extra state take the values under their names, and its
+    load post-hooks see the missing and unexpected keys. What is found is copied afterwards, each rank
+    reading only the slices its shards own.
+
+    A lazily read file (safetensors) goes through the hooks as meta tensors of the right shape and dtype,
+    traced back to the file by identity; a hook that computes a new value from one cannot be honoured and is
+    named in the error. A module that owns sharded parameters and loads them in its own
+    ``_load_from_state_dict`` is refused, naming it; one holding no sharded parameter runs its own.
+    """
+
+    def __init__(self, slots: list, source: Union[TensorSource, SafetensorsSource], prefix: str) -> None:
+        self.source, self.prefix = source, prefix
+        self.slot_at = {(id(module), attr): i for i, (_, slot, _) in enumerate(slots)
+                        for module, attr in slot.locations}
+        self.slot_names = [slot.names for _, slot, _ in slots]
+        self.shapes = [slot.shape for _, slot, _ in slots]
+        self.metadata = getattr(source.state, "_metadata", None) if isinstance(source, TensorSource) else None
+        self.origin: dict[int, str] = {}  # id(value as given to the hooks) -> the source's name
+        self.kept: list[Any] = []  # those values, alive so that their ids stay theirs
+        self.made_by: dict[int, str] = {}  # id(a meta value a hook computed) -> the hook, named
+        self.params: dict[int, tuple[str, Any]] = {}  # slot index -> (key, value), first found
+        self.buffers: list[tuple[Tensor, Any]] = []
+        self.extra_states: list[tuple[nn.Module, Any]] = []
+        self.missing: list[str] = []
+        self.unexpected: list[str] = []
+        self.errors: list[str] = []  # as torch's error_msgs: hooks may add to them
+        self.mismatched: list[str] = []
+
+    def initial(self) -> dict[str, Any]:
+        state = {}
+        for name in self.source.names():
+            value = self.source.value(name)
+            self.origin[id(value)] = name
+            self.kept.append(value)
+            state[self.prefix + name] = value
+        return state
+
+    # -- the walk ---------------------------------------------------------------------------------------
+    def load(self, module: nn.Module, local: dict[str, Any], mprefix: str) -> None:
+        name = mprefix[:-1]
+        local_metadata = self._local_metadata(mprefix)
+        owns = [attr for attr in module._parameters if (id(module), attr) in self.slot_at]
+        loader = type(module)._load_from_state_dict
+        if loader is not nn.Module._load_from_state_dict and loader not in _TORCH_LOADERS:
+            if owns:
+                raise CheckpointError(
+                    f"Module {name or '<root>'!r} ({type(module).__name__}) overrides _load_from_state_dict and owns"
+                    f" sharded parameters {owns}: a sharded load cannot run it. Rename or convert its keys in a"
+                    " load pre-hook instead (module.register_load_state_dict_pre_hook), which loading honours."
+                )
+            for key, value in list(local.items()):  # its own state, whole (buffers and such: small)
+                if key.startswith(mprefix) and "." not in key[len(mprefix):] and isinstance(value, Tensor):
+                    local[key] = self.whole(value)
+            module._load_from_state_dict(local, mprefix, local_metadata, True, self.missing, self.unexpected,
+                                         self.errors)
+        else:
+            for hook in module._load_state_dict_pre_hooks.values():
+                hook(local, mprefix, local_metadata, True, self.missing, self.unexpected, self.errors)
+                self._note_computed(local, name, hook)
+            self._take_own(module, local, mprefix)
+        for child_name, child in module._modules.items():
+            child_prefix = mprefix + child_name + "."
+            if child is not None and (child_prefix.startswith(self.prefix) or self.prefix.startswith(child_prefix)):
+                self.load(child, {k: v for k, v in local.items() if k.startswith(child_prefix)}, child_prefix)
+        incompatible = _IncompatibleKeys(self.missing, self.unexpected)
+        for hook in module._load_state_dict_post_hooks.values():
+            if hook(module, incompatible) is not None:
+                raise CheckpointError(f"The load_state_dict post-hook {_hook_name(hook)} of module"
+                                      f" {name or '<root>'!r} returned a value; it must edit the key lists in place.")
+
+    def _take_own(self, module: nn.Module, local: dict[str, Any], mprefix: str) -> None:
+        """``nn.Module._load_from_state_dict`` after its pre-hooks, recording instead of copying."""
+        own = {attr for attr, p in module._parameters.items() if p is not None}
+        for attr in (attr for attr in module._parameters if attr in own):
+            key = mprefix + attr
+            i = self.slot_at.get((id(module), attr))
+            if key not in local:
+                self.missing.append(key)
+            elif i is None:  # a parameter of no unit: not expected from shard_module
+                self.errors.append(f"{key!r} is a parameter of no sharded unit")
+            elif self._check(key, local[key], self.shapes[i]) and i not in self.params:
+                self.params[i] = (key, local[key])
+        for attr, buffer in module._buffers.items():
+            if buffer is None or attr in module._non_persistent_buffers_set:
+                continue
+            own.add(attr)
+            key = mprefix + attr
+            if key not in local:
+                self.missing.append(key)
+            elif self._check(key, local[key], buffer.shape):
+                self.buffers.append((buffer, local[key]))
+        extra = mprefix + _EXTRA_STATE_KEY_SUFFIX
+        if getattr(type(module), "set_extra_state", nn.Module.set_extra_state) is not nn.Module.set_extra_state:
+            if extra in local:
+                self.extra_states.append((module, local[extra]))
+            else:
+                self.missing.append(extra)
+        elif extra in local:
+            self.unexpected.append(extra)
+        for key in local:
+            if key.startswith(mprefix) and key != extra:
+                first, *rest = key[len(mprefix):].split(".", 1)
+                if (rest and first not in module._modules) or (not rest and first not in own):
+                    self.unexpected.append(key)
+
+    def _check(self, key: str, value: Any, shape: torch.Size) -> bool:
+        if not isinstance(value, Tensor):
+            self.errors.append(f"{key!r} is a {type(value).__name__}, not a tensor")
+            return False
+        if value.is_meta and id(value) not in self.origin:
+            raise CheckpointError(
+                f"{key!r} was computed by {self.made_by.get(id(value), 'a load_state_dict pre-hook')} from weights"
+                " read lazily (safetensors); such a hook needs the tensors themselves: load the file into a state"
+                " dict first (e.g. safetensors.torch.load_file) and pass that."
+            )
+        if value.shape != shape:
+            self.mismatched.append(f"Shape mismatch for {key!r}: weights {tuple(value.shape)}, model {tuple(shape)}.")
+            return False
+        return True
+
+    def _note_computed(self, local: dict[str, Any], name: str, hook: Any) -> None:
+        for value in local.values():
+            if isinstance(value, Tensor) and value.is_meta and id(value) not in self.origin:
+                if id(value) not in self.made_by:
+                    self.kept.append(value)
+                    self.made_by[id(value)] = f"the load_state_dict pre-hook {_hook_name(hook)} of module {name or '<root>'!r}"
+
+    def _local_metadata(self, mprefix: str) -> dict[str, Any]:
+        if self.metadata is None or not mprefix.startswith(self.prefix):
+            return {}
+        return dict(self.metadata.get(mprefix[len(self.prefix):-1], {}))
+
+    def incompatible(self) -> tuple[list[str], list[str]]:
+        """Missing and unexpected names (the unexpected ones as the source spells them, less ``prefix``); a tied
+        weight found under one of its names is not missing under the others."""
+        found = {key for i in self.params for key in self.slot_names[i]}
+        missing = list(dict.fromkeys(k for k in self.missing if k.startswith(self.prefix) and k not in found))
+        unexpected = list(dict.fromkeys(k[len(self.prefix):] if k.startswith(self.prefix) else k
+                                        for k in self.unexpected))
+        return missing, sorted(unexpected)
+
+    # -- reading what was found -------------------------------------------------------------------------
+    def read(self, value: Tensor, lo: int, hi: int) -> Tensor:
+        name = self.origin.get(id(value))
+        return self.source.read(name, lo, hi) if name is not None else value.reshape(-1)[lo:hi]
+
+    def whole(self, value: Tensor) -> Tensor:
+        name = self.origin.get(id(value))
+        return self.source.whole(name) if name is not None else value
+
+
+def _hook_name(hook: Any) -> str:
+    hook = getattr(hook, "hook", hook)  # torch wraps hooks registered with the module
+    return repr(getattr(hook, "__qualname__", None) or type(hook).__name__)
