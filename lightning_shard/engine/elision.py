@@ -5,11 +5,19 @@ A unit whose buffer was not saved (e.g. an embedding fed token ids: its backward
 not all-gathered again in backward; its gradient is still reduce-scattered. Recomputation under activation
 checkpointing calls the unit's modules again, which gathers them like any forward.
 
+Checkpointing the engine cannot see (a ``torch.utils.checkpoint`` region inside a unit member's forward, as
+HF transformers' ``gradient_checkpointing_enable()`` puts around each layer's ``forward``) reads parameters
+in forward that the hook never sees saved, and reads them again when backward recomputes the region: a
+non-reentrant region saves under its own saved-tensor hook (innermost wins), a reentrant one runs under
+``no_grad``. So while the hook is active a torch-function mode also watches every op: one that reads a
+gathered buffer with grad disabled, or under a saved-tensor hook other than ours, marks the unit as needed
+in backward (conservative: a parameter read under ``no_grad`` for, say, a norm also keeps its unit gathered).
+The price is a Python call per op in forward, only with elision on.
+
 Off by default: while the hook is active autograd cannot run its in-place version check on saved tensors
-(``z = y.exp(); z.mul_(0)`` then backward gives silent zeros instead of an error), and checkpointing the
-engine cannot see (a ``torch.utils.checkpoint`` region inside a unit member) hides what is saved. When on,
-the ranks agree per step (one all-reduce of the saved flags at the end of forward), so a unit whose
-parameters only one rank saved (a branch taken on its data) is gathered on every rank: never a hang.
+(``z = y.exp(); z.mul_(0)`` then backward gives silent zeros instead of an error). When on, the ranks agree
+per step (one all-reduce of the saved flags at the end of forward), so a unit whose parameters only one
+rank saved (a branch taken on its data) is gathered on every rank: never a hang.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.overrides import TorchFunctionMode
 
 from lightning_shard.engine import collectives
 from lightning_shard.engine.collectives import CommStats
@@ -35,6 +44,7 @@ class BackwardElision:
         self.enabled = enabled and any(unit.reshard_after_forward for unit in units)
         self.group, self.world_size, self.stats = group, world_size, stats
         self._saved_hooks: Optional[Any] = None
+        self._reads: Optional[_UnsavedReads] = None
 
     def start_forward(self) -> None:
         if not self.enabled or not torch.is_grad_enabled():  # grad mode is the same on every rank
@@ -43,10 +53,15 @@ class BackwardElision:
             unit.saved_for_backward = False
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
         self._saved_hooks.__enter__()
+        self._reads = _UnsavedReads(self, self._saved_hooks.pack_hook)
+        self._reads.__enter__()
 
     def end_forward(self) -> None:
         if self._saved_hooks is None:
             return
+        if self._reads is not None:
+            self._reads.__exit__(None, None, None)
+            self._reads = None
         self._saved_hooks.__exit__(None, None, None)
         self._saved_hooks = None
         if self.world_size > 1:  # a unit any rank saved is gathered on all of them
@@ -63,13 +78,45 @@ class BackwardElision:
 
     def _pack(self, tensor: Tensor) -> Tensor:
         """Saved-tensor hook: note the unit whose gathered buffer autograd keeps for backward."""
+        self._note(tensor)
+        # a detached alias, not the tensor itself: an op's own output saved as-is would form a reference cycle
+        return tensor.detach() if not tensor.requires_grad or tensor.grad_fn is not None else tensor
+
+    def _note(self, tensor: Tensor) -> None:
+        """Mark the unit whose gathered buffer ``tensor`` views (parameter or view of one) as needed in backward."""
         if tensor.layout == torch.strided and tensor.device.type != "meta":  # sparse tensors have no storage
             unit = self.schedule.unit_of_storage(tensor.untyped_storage().data_ptr())
             if unit is not None:
                 unit.saved_for_backward = True
-        # a detached alias, not the tensor itself: an op's own output saved as-is would form a reference cycle
-        return tensor.detach() if not tensor.requires_grad or tensor.grad_fn is not None else tensor
 
 
 def _unpack(tensor: Tensor) -> Tensor:
     return tensor
+
+
+class _UnsavedReads(TorchFunctionMode):
+    """Notes the gathered buffers that ops read where the saved-tensor hook cannot see what autograd keeps:
+    grad disabled (a reentrant checkpoint's region, or a custom ``autograd.Function``'s forward), or another
+    saved-tensor hook on top of ours (a non-reentrant checkpoint's region, ``save_on_cpu``). Backward may
+    read those parameters again (a recomputation), so their units are gathered there."""
+
+    def __init__(self, elision: BackwardElision, pack_hook: Any) -> None:
+        super().__init__()
+        self.elision, self.pack_hook = elision, pack_hook
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if not torch.is_grad_enabled() or not self._ours_on_top():
+            # an op takes tensors as arguments or in one list (torch.cat): no need for a full tree_flatten
+            for x in (*args, *kwargs.values()):
+                if isinstance(x, Tensor):
+                    self.elision._note(x)
+                elif isinstance(x, (list, tuple)):
+                    for y in x:
+                        if isinstance(y, Tensor):
+                            self.elision._note(y)
+        return func(*args, **kwargs)
+
+    def _ours_on_top(self) -> bool:
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        return top is not None and top[0] is self.pack_hook
