@@ -387,3 +387,86 @@ def backbone_finetuning(rank: int, world: int):
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(full[name], value, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
     return len(trainer.optimizers[0].param_groups)
+
+
+def gradient_norms(rank: int, world: int):
+    """The runtime's per-parameter and total gradient norms (p = 1, 2, 3, inf) and its clipping, under each
+    sharding, against Lightning's ``grad_norm`` and torch's ``clip_grad_norm_`` in one process on the global
+    batch: TinyGPT (a tied head, a bare parameter) with a frozen block (no gradient) as units."""
+    from lightning.pytorch.utilities import grad_norm
+
+    from tests.models import TinyGPT
+
+    batch = TinyGPT.batch(torch.Generator().manual_seed(3), 4 * world)
+    torch.manual_seed(0)
+    reference = TinyGPT()
+    reference.blocks[1].requires_grad_(False)
+    TinyGPT.loss(reference, batch, 0).backward()
+    for mode in ("full", "grad_op", "none"):
+        sharded = copy.deepcopy(reference)
+        runtime = shard_module(sharded, sharding=mode, units=["Block"])
+        TinyGPT.loss(sharded, batch.chunk(world)[rank], 0).backward()
+        for p in (1, 2, 3, float("inf")):
+            expected = grad_norm(reference, p)
+            names, each, total = runtime.grad_norms(p)
+            got = {f"grad_{float(p)}_norm/{n}": v for n, v in zip(names, each)}
+            got[f"grad_{float(p)}_norm_total"] = total
+            assert list(got) == list(expected), (mode, p, list(got), list(expected))
+            for key, value in expected.items():
+                torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-7, msg=lambda m, k=key: f"{mode} {k}: {m}")
+        clipped = copy.deepcopy(reference)
+        for q, r in zip(clipped.parameters(), reference.parameters()):
+            q.grad = None if r.grad is None else r.grad.clone()  # a deepcopied Parameter has none
+        expected_norm = torch.nn.utils.clip_grad_norm_(clipped.parameters(), 0.1, norm_type=3.0)
+        norm = runtime.clip_grad_norm_(list(sharded.parameters()), 0.1, norm_type=3.0)
+        torch.testing.assert_close(norm, expected_norm, rtol=1e-5, atol=0)
+        for module in (sharded, clipped):  # compare the clipped gradients through one SGD step
+            torch.optim.SGD([q for q in module.parameters() if q.requires_grad], lr=1.0).step()
+        assert_matches(runtime, clipped, mode)
+    return True
+
+
+class NormBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.norm = nn.Linear(6, 6), nn.BatchNorm1d(6)
+
+    def forward(self, x):
+        return torch.relu(self.norm(self.lin(x)))
+
+
+def buffers_like_ddp(rank: int, world: int, steps: int = 4):
+    """BatchNorm running statistics under DDP(broadcast_buffers=True), compared on every rank (each sees its own
+    data): after training, after an eval forward, and in the checkpoints, which hold rank 0's copy."""
+    from lightning_shard.checkpoint import sharded as sharded_checkpoint
+
+    g = torch.Generator().manual_seed(9)
+    data = [torch.randn(world, 4, 6, generator=g) for _ in range(steps)]
+    torch.manual_seed(0)
+    reference = nn.Sequential(NormBlock(), NormBlock(), nn.Linear(6, 1))
+    model = copy.deepcopy(reference)
+    ddp = DDP(reference)
+    runtime = shard_module(model, units=["NormBlock"])
+    for module in (ddp, model):
+        opt = torch.optim.SGD(module.parameters(), lr=0.1)
+        for x in data:
+            module(x[rank] * (rank + 1)).square().mean().backward()  # ranks' statistics differ
+            opt.step()
+            opt.zero_grad()
+    live = {k: v.clone() for k, v in model.named_buffers()}
+    for name, value in reference.named_buffers():  # this rank's own, as DDP leaves them
+        torch.testing.assert_close(live[name], value, rtol=0, atol=0, msg=lambda m, n=name: f"rank {rank} {n}: {m}")
+    ddp.eval(), model.eval()
+    with torch.no_grad():
+        x = torch.randn(5, 6, generator=torch.Generator().manual_seed(rank))
+        torch.testing.assert_close(model(x), ddp(x), rtol=1e-5, atol=1e-6)  # rank 0's statistics, everywhere
+    model.train()
+    for save in (lambda: full_state_dict(runtime, rank0_only=False), lambda: sharded_checkpoint.model_state(runtime)):
+        model(data[0][rank] * (rank + 1)).sum().backward()  # leaves each rank its own buffers again
+        rank0 = {k: v.clone() for k, v in model.named_buffers()}
+        for value in rank0.values():
+            dist.broadcast(value, src=0)
+        state = save()
+        for name, value in rank0.items():  # the checkpoint holds rank 0's copy, on every rank
+            torch.testing.assert_close(state[name], value, rtol=0, atol=0, msg=lambda m, n=name: f"saved {n}: {m}")
+    return sorted(live)

@@ -14,6 +14,7 @@ import torchmetrics
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning as L
+from lightning.pytorch.utilities import grad_norm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lightning_shard import ShardStrategy  # noqa: E402
@@ -22,10 +23,11 @@ from tests.models import TinyGPT  # noqa: E402
 
 
 class LitGPT(L.LightningModule):
-    def __init__(self, manual: bool = False) -> None:
+    def __init__(self, manual: bool = False, clip: float | None = None) -> None:
         super().__init__()
         self.model = TinyGPT()
-        self.automatic_optimization = not manual
+        self.automatic_optimization, self.clip = not manual, clip
+        self.grad_norms: list[float] = []  # manual optimization: the total gradient norm before clipping
         self.val_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=37, average="micro")
         self.test_mean = torchmetrics.MeanMetric()
         self.step_losses: list[float] = []
@@ -39,6 +41,11 @@ class LitGPT(L.LightningModule):
             opt = self.optimizers()
             opt.zero_grad()
             self.manual_backward(loss)
+            strategy = self.trainer.strategy
+            norms = strategy.grad_norm(2) if isinstance(strategy, ShardStrategy) else grad_norm(self, 2)
+            self.grad_norms.append(norms["grad_2.0_norm_total"].item())
+            if self.clip is not None:
+                self.clip_gradients(opt, gradient_clip_val=self.clip, gradient_clip_algorithm="norm")
             opt.step()
             self.lr_schedulers().step()
             # a second forward in the same step, after the optimizer changed the shards
@@ -94,7 +101,7 @@ def loader(seed: int, n: int = 96) -> DataLoader:
 
 def run(strategy, args, max_epochs: int, ckpt_dir: str, resume: str | None = None, crash_at: int | None = None) -> dict:
     torch.manual_seed(0)
-    module = LitGPT(manual=args.manual)
+    module = LitGPT(manual=args.manual, clip=args.clip)
     trainer = L.Trainer(
         accelerator="cpu", devices=args.devices, strategy=strategy, max_epochs=max_epochs,
         accumulate_grad_batches=1 if args.manual else args.accumulate,
@@ -110,7 +117,7 @@ def run(strategy, args, max_epochs: int, ckpt_dir: str, resume: str | None = Non
     test = trainer.test(module, loader(3), verbose=False)[0]
     predictions = torch.cat(trainer.predict(module, loader(3)))
     state = (full_state_dict(trainer.strategy.runtime) if isinstance(strategy, ShardStrategy) else module.state_dict())
-    return {"losses": module.step_losses, "state": state, "val": val, "test": test, "predict": predictions,
+    return {"losses": module.step_losses, "grad_norms": module.grad_norms, "state": state, "val": val, "test": test, "predict": predictions,
             "comm": trainer.strategy.comm_stats if isinstance(strategy, ShardStrategy) else {}}
 
 

@@ -64,3 +64,63 @@ def scaler_overflow_on_one_rank(rank: int, world: int):
     scaler.update()
     unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     return {"unchanged": unchanged, "scale": scaler.get_scale()}
+
+
+class FloatInputNet(nn.Module):
+    """Float inputs into a root-owned layer, then two block units (one called with keyword arguments)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 8)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8), nn.GELU()) for _ in range(2))
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x):
+        h = self.inp(x)
+        h = h + self.blocks[0](h)
+        h = h + self.blocks[1](input=h.float())  # an fp32 tensor into a bf16 unit, by keyword
+        return self.head(h)
+
+
+def _to_bf16(module, args, kwargs):
+    cast = lambda x: x.bfloat16() if torch.is_tensor(x) and x.is_floating_point() else x  # noqa: E731
+    return tuple(map(cast, args)), {k: cast(v) for k, v in kwargs.items()}
+
+
+def bf16_params_without_autocast(rank: int, world: int, steps: int = 4):
+    """``param_dtype=bf16`` with autocast off: each unit casts its floating inputs to bf16 (FSDP2's
+    cast_forward_inputs). Reference in one process: per rank's chunk, the bf16 copy of the fp32 masters run on the
+    bf16 input, its bf16 gradients summed in fp32 and averaged, stepped on the fp32 masters."""
+    import copy
+
+    g = torch.Generator().manual_seed(2)
+    batches = [(torch.randn(2 * world, 6, generator=g), torch.randn(2 * world, 1, generator=g)) for _ in range(steps)]
+    torch.manual_seed(0)
+    reference = FloatInputNet()
+    model = copy.deepcopy(reference)
+    runtime = shard_module(model, units=["Sequential"], param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for x, y in batches:
+        grads = [torch.zeros_like(p) for p in reference.parameters()]
+        for r in range(world):
+            low = copy.deepcopy(reference).to(torch.bfloat16)
+            for module in (low.inp, *low.blocks, low.head):  # what the units do, spelled out
+                module.register_forward_pre_hook(_to_bf16, with_kwargs=True)
+            xs, ys = x.chunk(world)[r], y.chunk(world)[r]
+            nn.functional.mse_loss(low(xs.bfloat16()).float(), ys).backward()
+            for acc, p in zip(grads, low.parameters()):
+                acc.add_(p.grad.float() / world)
+        for p, grad in zip(reference.parameters(), grads):
+            p.grad = grad
+        ref_opt.step()
+        ref_opt.zero_grad()
+        out = model(x.chunk(world)[rank])
+        assert out.dtype == torch.bfloat16
+        nn.functional.mse_loss(out.float(), y.chunk(world)[rank]).backward()
+        opt.step()
+        opt.zero_grad()
+    from tests.exactness_scenarios import assert_matches
+
+    assert_matches(runtime, reference, "bf16 params, no autocast")
+    return True

@@ -8,7 +8,6 @@ import sys
 import pytest
 import torch
 
-from lightning_shard.checkpoint.consolidate import consolidate
 from tests import checkpoint_scenarios as scenarios
 from tests.models import Odd, TinyGPT
 from tests.world import run_world

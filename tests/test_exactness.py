@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests import exactness_scenarios as scenarios
 from tests.world import run_world
@@ -73,3 +72,13 @@ def test_ranks_that_freeze_different_parameters_are_told():
 
 def test_lightning_backbone_finetuning_unfreezes_exactly():
     assert run_world(scenarios.backbone_finetuning, 2, timeout=300) == [2, 2]
+
+
+def test_gradient_norms_and_clipping_over_the_shards_match_one_process():
+    assert run_world(scenarios.gradient_norms, 2, timeout=200) == [True, True]
+
+
+def test_buffers_are_broadcast_like_ddp_and_saved_once():
+    names = run_world(scenarios.buffers_like_ddp, 2, timeout=200)[1]
+    assert names == sorted(f"{i}.norm.{b}" for i in (0, 1) for b in ("num_batches_tracked", "running_mean",
+                                                                        "running_var"))

@@ -73,9 +73,14 @@ def test_three_ranks_value_clipping_matches_ddp(tmp_path):
 
 
 def test_manual_optimization_and_full_checkpoints(tmp_path):
-    results = run_app(tmp_path, "--manual", "--sharding", "full", "grad_op", "--state-dict-type", "full", "--resume")
+    # self.clip_gradients and the strategy's grad_norm in manual optimization: the unsharded model's numbers
+    results = run_app(tmp_path, "--manual", "--clip", "0.5", "--sharding", "full", "grad_op", "--state-dict-type",
+                      "full", "--resume")
+    assert max(results["ddp"]["grad_norms"]) > 0.5  # the clipping changes the steps
     for sharding in ("full", "grad_op"):
         assert_matches_ddp(results, sharding)
+        torch.testing.assert_close(torch.tensor(results[sharding]["grad_norms"]),
+                                   torch.tensor(results["ddp"]["grad_norms"]), rtol=1e-5, atol=1e-7)
         resumed = results[f"{sharding}_resumed"]["losses"]
         torch.testing.assert_close(torch.tensor(resumed), torch.tensor(results[sharding]["losses"]), rtol=1e-6, atol=1e-7)
     # one ordinary file, loadable into the plain (unsharded) module with weights_only=True

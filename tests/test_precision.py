@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from tests import precision_scenarios as scenarios
 from tests.precision_scenarios import bf16_mixed_dtypes, scaler_overflow_on_one_rank
 from tests.world import run_world
 
@@ -28,3 +29,7 @@ def test_one_ranks_overflow_skips_the_step_everywhere(world_size):
     results = run_world(scaler_overflow_on_one_rank, world_size)
     assert all(r["unchanged"] for r in results), results
     assert {r["scale"] for r in results} == {2.0**7}  # every rank backed off the same way
+
+
+def test_bf16_params_without_autocast_cast_the_inputs():
+    assert run_world(scenarios.bf16_params_without_autocast, 2, timeout=200) == [True, True]

@@ -42,6 +42,7 @@ def full_state_dict(runtime: ShardRuntime, rank0_only: bool = True) -> dict[str,
     Every rank must call it (it all-gathers); with ``rank0_only`` other ranks get ``{}`` and keep nothing.
     """
     keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
+    runtime.sync_buffers()  # every rank's copy is rank 0's, as under DDP
     full: list[tuple[ParamSlot, Tensor]] = []
     for unit in runtime.units:
         flat = gather_master(runtime, unit.storage)

@@ -67,6 +67,7 @@ def _buffers(runtime: ShardRuntime) -> dict[str, Tensor]:
 # -- model ------------------------------------------------------------------------------------------
 def model_state(runtime: ShardRuntime) -> dict[str, Any]:
     """This rank's part of the model state by parameter and buffer name, as DCP items (views, no copies)."""
+    runtime.sync_buffers()  # DCP writes a replicated item from any one rank: make them all rank 0's
     items: dict[str, Any] = {}
     with _quiet():
         for storage, slot, param in _slots(runtime):

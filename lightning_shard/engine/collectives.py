@@ -32,6 +32,7 @@ class CommStats:
     exposed_seconds: float = 0.0  # time the compute path spent blocked in wait()
     skipped_gathers: int = 0  # backward all-gathers found unnecessary (see ShardRuntime) and not issued
     agreements: int = 0  # tiny all-reduces by which the ranks share a decision (not counted as bytes above)
+    broadcast_bytes: int = 0  # buffers (BatchNorm running stats ...) sent from rank 0
 
     def as_dict(self) -> dict[str, float]:
         return dict(self.__dict__)
@@ -130,6 +131,14 @@ def all_reduce(flat: Tensor, group, stats: CommStats, async_op: bool = False, la
     stats.all_reduce_bytes += 2 * flat.numel() * flat.element_size()  # a reduce-scatter plus an all-gather
     launch = functools.partial(dist.all_reduce, flat, op=op, group=group)
     return _run(launch, flat, stats, async_op, label=label)
+
+
+def broadcast(flat: Tensor, group, stats: CommStats, label: str = "broadcast") -> Tensor:
+    """Rank 0's ``flat`` on every rank, in place."""
+    stats.broadcast_bytes += flat.numel() * flat.element_size()
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    launch = functools.partial(dist.broadcast, flat, src=src, group=group)
+    return _run(launch, flat, stats, False, label=label).result
 
 
 def agree(flags: Tensor, group, stats: CommStats, label: str) -> Tensor:

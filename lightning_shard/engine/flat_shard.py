@@ -164,8 +164,11 @@ class FlatShard:
             pieces.append(self.shard.new_zeros(padding, dtype=dtype))
         return torch.cat(pieces), used
 
-    def grads_finite(self) -> bool:
-        return self.shard_grad is None or bool(torch.isfinite(self.shard_grad).all())
+    def grads_finite(self) -> Tensor:
+        """Whether this rank's gradient shard is finite: a 0-dim flag on its device (no host sync here)."""
+        if self.shard_grad is None:
+            return torch.ones((), dtype=torch.bool, device=self.shard.device)
+        return torch.isfinite(self.shard_grad).all()
 
     def clear_grads(self) -> None:
         for param in self.shard_params:

@@ -80,6 +80,7 @@ class ShardRuntime:
         self._final_callback_queued = False  # a backward is running
         self._handles: list[Any] = []
         self._watched: set[int] = set()  # ids of gathered parameters with a post-accumulate-grad hook
+        self._buffers_stale = False  # the ranks' buffers may differ (a training step updated them locally)
         self.undo: list[Callable[[], None]] = []  # restores what was wrapped at setup (activation checkpointing)
         self._install_hooks()
 
@@ -117,6 +118,10 @@ class ShardRuntime:
                 self.schedule.reshard(unit)
                 unit.backward_pending = 0
             self._sync_requires_grad()
+            if self._buffers_stale:
+                self.sync_buffers()
+            # DDP's broadcast_buffers: the next step starts from rank 0's buffers if this one may change them
+            self._buffers_stale = torch.is_grad_enabled() and self.reducer.sync_grads
             if self.root_unit is not None:
                 self.schedule.gather(self.root_unit)
             self.schedule.start_forward()
@@ -145,6 +150,22 @@ class ShardRuntime:
         """Re-gather the units held gathered, after their shards changed (optimizer step, loading)."""
         self.schedule.refresh(self.units)
 
+    @torch.no_grad()
+    def sync_buffers(self) -> None:
+        """Rank 0's buffers (BatchNorm running statistics ...) on every rank, one broadcast per dtype: DDP's
+        ``broadcast_buffers``, and one consistent copy for a checkpoint. Every rank must call it."""
+        if self.world_size == 1:
+            return
+        by_kind: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+        for buffer in self.root.buffers():
+            by_kind.setdefault((buffer.dtype, buffer.device), []).append(buffer)
+        for (dtype, _), buffers in by_kind.items():
+            flat = collectives.broadcast(torch.cat([b.reshape(-1) for b in buffers]), self.group, self.stats,
+                                         label=f"broadcast of the {dtype} buffers")
+            for buffer, value in zip(buffers, flat.split([b.numel() for b in buffers])):
+                buffer.copy_(value.view_as(buffer))
+        self._buffers_stale = False
+
     def no_sync(self) -> Any:
         """Accumulate unsharded gradients locally, without reduction (costs a full gradient per unit)."""
         return self.reducer.no_sync()
@@ -161,6 +182,11 @@ class ShardRuntime:
             for param in unit.storage.gathered_params:
                 if param.requires_grad:
                     self._watch_for_backward(param)
+        if self.root_unit is not None:  # the root unit's own modules get their inputs in param_dtype too
+            owners = {id(module): module for slot in self.root_unit.storage.slots for module, _ in slot.locations}
+            for owner in owners.values():
+                self._handles.append(owner.register_forward_pre_hook(
+                    lambda m, a, k, u=self.root_unit: _cast_inputs(u, a, k), with_kwargs=True))
         self._handles.append(self.root.register_forward_pre_hook(lambda m, a: self._enter_step()))
         self._handles.append(self.root.register_forward_hook(lambda m, a, out: self._exit_step(out), always_call=True))
 
@@ -334,6 +360,7 @@ class ShardRuntime:
 
     def _pre_forward(self, unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         self.schedule.gather(unit)
+        args, kwargs = _cast_inputs(unit, args, kwargs)
         if not self._final_callback_queued:  # not a recomputation inside backward
             self.schedule.forward_reached(unit)
         if not torch.is_grad_enabled() or self._recomputing_for_saved_tensors(unit):
@@ -429,11 +456,49 @@ class ShardRuntime:
         warnings.warn(f"lightning_shard: step {self.steps_done} skipped: non-finite gradient in unit {first.name!r}.")
 
     # -- norms --------------------------------------------------------------------------------------
-    def clip_grad_norm_(self, parameters: list[Tensor], max_norm: float) -> Tensor:
-        """Clip by the global norm over all shards, as ``torch.nn.utils.clip_grad_norm_`` on the full model."""
-        sharded = any(unit.storage.world_size > 1 for unit in self.units)
-        device = self.units[0].storage.shard.device
-        return norms.clip_grad_norm_(parameters, max_norm, device, self.group, self.stats, sharded)
+    def clip_grad_norm_(self, parameters: list[Tensor], max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """Clip by the norm over all shards, as ``torch.nn.utils.clip_grad_norm_`` on the unsharded model."""
+        shards, sharded = self._shards_of(list(parameters))
+        return norms.clip_grad_norm_(shards, sharded, max_norm, norm_type, self.units[0].storage.shard.device,
+                                     self.group, self.stats)
+
+    def grad_norms(self, norm_type: float = 2.0) -> tuple[list[str], Tensor, Tensor]:
+        """The names of the parameters that have a gradient, each one's gradient norm over all shards, and their
+        total norm: Lightning's ``grad_norm(model, norm_type)`` on the unsharded model."""
+        named = list(self.root.named_parameters())
+        shards, sharded = self._shards_of([p for _, p in named])
+        kept = [i for i, shard in enumerate(shards) if shard.grad is not None]
+        each, total = norms.grad_norms([shards[i].grad for i in kept], [sharded[i] for i in kept], norm_type,
+                                       self.units[0].storage.shard.device, self.group, self.stats)
+        return [named[i][0] for i in kept], each, total
+
+    def _shards_of(self, parameters: list[Tensor]) -> tuple[list[nn.Parameter], list[bool]]:
+        """The shard parameters (which hold the gradients) of ``parameters``, given as shards or as the gathered
+        parameters the tree holds mid-step, and whether each is split over the ranks (else replicated)."""
+        known = {}
+        for unit in self.units:
+            for shard, gathered in zip(unit.storage.shard_params, unit.storage.gathered_params):
+                known[id(shard)] = known[id(gathered)] = (shard, unit.storage.world_size > 1)
+        unknown = [i for i, p in enumerate(parameters) if id(p) not in known]
+        if unknown:
+            raise ValueError(f"lightning_shard: parameters {unknown[:4]} (by position) are not the sharded model's:"
+                             " gradient norms are taken over its parameters (model.parameters(), the optimizer's).")
+        found = [known[id(p)] for p in parameters]
+        return [shard for shard, _ in found], [split for _, split in found]
+
+
+def _cast_inputs(unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Floating-point inputs in the unit's ``param_dtype`` when it computes in one lower than its masters and
+    autocast is off (FSDP2's ``cast_forward_inputs``): ``F.linear(fp32 input, bf16 weight)`` would raise.
+    Each tensor is cast once, so a module testing identity (``query is key``) sees the same tensor twice."""
+    storage = unit.storage
+    if storage.param_dtype == storage.master_dtype or torch.is_autocast_enabled(storage.shard.device.type):
+        return args, kwargs
+    flat, spec = tree_flatten((args, kwargs))
+    cast = {id(x): x.to(storage.param_dtype) for x in flat if isinstance(x, Tensor) and x.is_floating_point()}
+    if not cast:
+        return args, kwargs
+    return tree_unflatten([cast.get(id(x), x) for x in flat], spec)
 
 
 def _in_backward() -> bool:

@@ -1,8 +1,13 @@
-"""The global gradient norm over every rank's shards, and clipping by it: the same numbers as
-``torch.nn.utils.clip_grad_norm_`` on the unsharded model (torch's own foreach kernels do the local work)."""
+"""Gradient norms over every rank's shards, and clipping by them: the same numbers as
+``torch.nn.utils.clip_grad_norm_`` and Lightning's ``grad_norm`` on the unsharded model (torch's own foreach
+kernels do the local work, one all-reduce combines the ranks).
+
+A p-norm of a sharded gradient is ``(sum over ranks of |local shard|_p ** p) ** (1/p)`` (the max over ranks for
+p = inf). A gradient every rank holds whole (a replicated unit) counts once, from rank 0."""
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -13,25 +18,55 @@ from lightning_shard.engine import collectives
 from lightning_shard.engine.collectives import CommStats
 
 
-@torch.no_grad()
-def total_grad_norm(grads: list[Tensor], device: torch.device, group: Optional[dist.ProcessGroup],
-                    stats: CommStats, sharded: bool) -> Tensor:
-    """The 2-norm of all ranks' gradient shards together (fp32; every rank must call it when ``sharded``)."""
-    # low-precision gradients are summed in fp32, as the unsharded fp32 reference would be
-    grads = [g if g.dtype == torch.float32 else g.float() for g in grads]
-    local = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros(())
-    squares = local.to(device=device, dtype=torch.float32).square()
-    if sharded and dist.is_initialized() and dist.get_world_size(group) > 1:
-        collectives.all_reduce(squares, group, stats, label="all-reduce of the gradient norm").wait()
-    return squares.sqrt()
+def check_norm_type(norm_type: float) -> float:
+    norm_type = float(norm_type)
+    if not (norm_type > 0):  # also refuses nan
+        raise ValueError(f"lightning_shard: `norm_type` must be a positive number or 'inf', got {norm_type}.")
+    return norm_type
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters: list[Tensor], max_norm: float, device: torch.device,
-                    group: Optional[dist.ProcessGroup], stats: CommStats, sharded: bool) -> Tensor:
+def grad_norms(grads: list[Tensor], sharded: list[bool], norm_type: float, device: torch.device,
+               group: Optional[dist.ProcessGroup], stats: CommStats) -> tuple[Tensor, Tensor]:
+    """Per gradient, its norm over all ranks' shards; and the norm of all of them together (fp32).
+
+    ``sharded[i]``: whether ``grads[i]`` is this rank's part of a gradient split over the ranks (else every rank
+    holds it whole). Every rank must call it with the same gradients' parts, in the same order."""
+    norm_type = check_norm_type(norm_type)
+    # low-precision gradients are summed in fp32, as the unsharded fp32 reference would be; powers in fp64,
+    # where a large p cannot overflow
+    local = torch.zeros(len(grads), dtype=torch.float64, device=device)
+    held = [i for i, g in enumerate(grads) if g.numel()]  # an empty shard has norm 0 (foreach's inf-norm refuses it)
+    if held:
+        local[held] = torch.stack(torch._foreach_norm([grads[i].float() for i in held], norm_type)).to(local)
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    if world > 1 and any(sharded):
+        if math.isinf(norm_type):
+            combined = local.clone()
+            collectives.all_reduce(combined, group, stats, op=dist.ReduceOp.MAX,
+                                   label="all-reduce of the gradient norms").wait()
+        else:
+            once = torch.tensor(sharded, device=device) | (dist.get_rank(group) == 0)
+            combined = torch.where(once, local.pow(norm_type), 0.0)
+            collectives.all_reduce(combined, group, stats, label="all-reduce of the gradient norms").wait()
+            combined = combined.pow(1 / norm_type)
+    else:
+        combined = local
+    if not grads:
+        total = torch.zeros((), dtype=torch.float64, device=device)
+    elif math.isinf(norm_type):
+        total = combined.max()
+    else:
+        total = combined.pow(norm_type).sum().pow(1 / norm_type)
+    return combined.float(), total.float()
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: list[Tensor], sharded: list[bool], max_norm: float, norm_type: float,
+                    device: torch.device, group: Optional[dist.ProcessGroup], stats: CommStats) -> Tensor:
     """Scale every gradient by ``max_norm / total norm`` where that is below 1; returns the total norm."""
-    parameters = [p for p in parameters if p.grad is not None]
-    norm = total_grad_norm([p.grad for p in parameters], device, group, stats, sharded)
-    if parameters:
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm, foreach=True)
-    return norm
+    kept = [(p, s) for p, s in zip(parameters, sharded) if p.grad is not None]
+    _, total = grad_norms([p.grad for p, _ in kept], [s for _, s in kept], norm_type, device, group, stats)
+    if kept:
+        torch.nn.utils.clip_grads_with_norm_([p for p, _ in kept], max_norm, total, foreach=True)
+    return total

@@ -125,8 +125,8 @@ class GradientReducer:
 
     def first_nonfinite(self) -> Optional[Unit]:
         """The first unit with a non-finite gradient shard on any rank (all ranks get the same answer)."""
-        device = self.units[0].storage.shard.device  # NCCL reduces device tensors only
-        finite = torch.tensor([float(unit.storage.grads_finite()) for unit in self.units], device=device)
+        # on the shards' device (NCCL reduces device tensors only), read by the host once, after the all-reduce
+        finite = torch.stack([unit.storage.grads_finite() for unit in self.units]).float()
         if self.world_size > 1:
             collectives.all_reduce(finite, self.group, self.stats, label="all-reduce of gradient finiteness",
                                    op=dist.ReduceOp.MIN).wait()

@@ -53,8 +53,15 @@ def shard_module(
     """
     validate_sharding(sharding)
     activation_checkpointing = validate_activation_checkpointing(activation_checkpointing)
+    options = {
+        "sharding": sharding, "units": _spec_names(units), "unit_size": unit_size, "param_dtype": param_dtype,
+        "reduce_dtype": reduce_dtype, "buffer_dtype": buffer_dtype, "prefetch": prefetch, "nonfinite": nonfinite,
+        "elide_backward_gathers": elide_backward_gathers,
+        "activation_checkpointing": _spec_names(activation_checkpointing),
+    }
     existing = getattr(module, "_shard_runtime", None)
     if existing is not None:
+        _check_resharding(existing, options, group, device)
         return existing
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank(group) if distributed else 0
@@ -90,15 +97,56 @@ def shard_module(
             for name, buffer in submodule._buffers.items():
                 if buffer is not None and buffer.is_floating_point():
                     submodule._buffers[name] = buffer.to(buffer_dtype)
-    if world > 1:
-        for buffer in module.buffers():
-            dist.broadcast(buffer, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
 
     runtime = ShardRuntime(module, built, root_unit, group, reduce_dtype=reduce_dtype, prefetch=prefetch,
                            nonfinite=nonfinite, elide_backward_gathers=elide_backward_gathers)
+    runtime.sync_buffers()  # rank 0's, as DDP starts
     runtime.undo.extend(checkpoint_modules(module, built, root_unit, activation_checkpointing))
+    runtime.install_guards()
+    runtime.options = options
     module._shard_runtime = runtime
     return runtime
+
+
+def _spec_names(spec: object) -> object:
+    """Module classes and class names compare by name (``[Block]`` and ``["Block"]`` are one policy)."""
+    if isinstance(spec, (str, type)):
+        spec = [spec]
+    if isinstance(spec, (list, tuple)):
+        return tuple(s.__name__ if isinstance(s, type) else s for s in spec)
+    return spec
+
+
+_DTYPE_SOURCES = " (ShardStrategy's mixed_precision, or the Trainer's precision)"
+
+
+def _check_resharding(runtime: ShardRuntime, options: dict, group: Optional[dist.ProcessGroup],
+                      device: Optional[torch.device]) -> None:
+    """A module is sharded once: a second call (a second Trainer's setup) goes on with the same runtime when it
+    asks for the same sharding, and is refused, naming the difference, when it does not (it would otherwise
+    train silently under the first call's options)."""
+    prefix = "lightning_shard: this model is sharded already"
+    if not runtime.hooks_installed:
+        raise RuntimeError(f"{prefix}, and its hooks were removed (`remove_hooks()`): its 1-D shard parameters"
+                           " can no longer be gathered. Build a fresh model to shard it again.")
+    before = getattr(runtime, "options", {})
+    differ = [f"{k}={before[k]!r} then, {k}={v!r} now{_DTYPE_SOURCES if k.endswith('_dtype') else ''}"
+              for k, v in options.items() if k in before and before[k] != v]
+    if group is not runtime.group:
+        differ.append("another process group")
+    world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    if world != runtime.world_size:
+        differ.append(f"world size {runtime.world_size} then, {world} now")
+    if device is not None and runtime.units:
+        held, wanted = runtime.units[0].storage.shard.device, torch.device(device)
+        if held.type != wanted.type or (wanted.index is not None and held.index != wanted.index):
+            differ.append(f"device {held} then, {wanted} now")
+    if differ:
+        raise ValueError(
+            f"{prefix} (by an earlier shard_module call or Trainer), with other options: {'; '.join(differ)}."
+            " A sharded model keeps its sharding: use the same options again (a second Trainer then goes on"
+            " training it), or build a fresh model for the new ones."
+        )
 
 
 def _check_ranks_agree(plans: list[UnitPlan], group: Optional[dist.ProcessGroup]) -> None:

@@ -3,11 +3,14 @@ optimizer and precision hooks, checkpoint state)."""
 
 from __future__ import annotations
 
+import atexit
 import inspect
 import os
-from collections.abc import Generator, Mapping, Sequence
+import weakref
+from collections.abc import Generator, Iterable, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
@@ -30,7 +33,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
@@ -211,7 +214,10 @@ class ShardStrategy(ParallelStrategy):
         kwargs: dict[str, Any] = {"timeout": self._timeout}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
+        creates_group = not _distributed_is_initialized()
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        if creates_group:
+            _GROUP_AT_EXIT.adopt(torch.distributed.group.WORLD)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -224,8 +230,14 @@ class ShardStrategy(ParallelStrategy):
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         if self.runtime is None or self.runtime.root is not self.model:
-            if trainer.state.fn == TrainerFn.FITTING and self._layer_sync:
-                self.model = self._layer_sync.apply(self.model)
+            # a model sharded by an earlier Trainer goes on with its runtime if the options are the same (shard_module
+            # checks them); on it, convert_module and model_to_device may only be no-ops (its `_apply` refuses more)
+            sharded_before = getattr(self.model, "_shard_runtime", None) is not None
+            if self._layer_sync:  # also for validate/test before fit: the model is sharded once, converted or not
+                if sharded_before:
+                    _refuse_layer_sync_on_sharded(self.model)
+                else:
+                    self.model = self._layer_sync.apply(self.model)
             self.model = self.precision_plugin.convert_module(self.model)
             self.model_to_device()
             policy = self.mixed_precision or self.precision_plugin.policy
@@ -240,6 +252,7 @@ class ShardStrategy(ParallelStrategy):
                 f"lightning_shard: sharding={self.sharding!r}, {len(self.runtime.units)} units over"
                 f" {self.world_size} ranks: {[u.name for u in self.runtime.units]}"
             )
+        self.runtime.apply_checks = [partial(_refuse_other_strategies, self.model)]
         self.precision_plugin.runtime = self.runtime
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -328,6 +341,27 @@ class ShardStrategy(ParallelStrategy):
         self._log_comm_stats()
         return output
 
+    # -- gradient norms: every rank must call these (one all-reduce) ------------------------------------
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        parameters: Optional[Iterable[Tensor]] = None) -> Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` for the sharded model (all its parameters unless ``parameters``):
+        the norm over every rank's shards, so the same clipping as on the unsharded model; returns that norm.
+        ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` would see this rank's shards only."""
+        assert self.runtime is not None, "clip_grad_norm_ before the model is sharded"
+        params = self.runtime.root.parameters() if parameters is None else parameters
+        return self.runtime.clip_grad_norm_(list(params), float(max_norm), norm_type)
+
+    def grad_norm(self, norm_type: Union[float, int, str] = 2.0, group_separator: str = "/") -> dict[str, Tensor]:
+        """Lightning's ``grad_norm(model, norm_type)`` for the sharded model (its keys, the unsharded model's
+        numbers): each parameter's gradient norm over every rank's shards and their total."""
+        assert self.runtime is not None, "grad_norm before the model is sharded"
+        norm_type = float(norm_type)
+        names, each, total = self.runtime.grad_norms(norm_type)
+        result = {f"grad_{norm_type}_norm{group_separator}{name}": value for name, value in zip(names, each)}
+        if names:
+            result[f"grad_{norm_type}_norm_total"] = total
+        return result
+
     def _log_comm_stats(self) -> None:
         trainer = self.lightning_module._trainer if self.lightning_module is not None else None
         if trainer is None or not trainer.loggers or not self.is_global_zero:
@@ -412,9 +446,27 @@ class ShardStrategy(ParallelStrategy):
     def teardown(self) -> None:
         # Unlike the base class, do not move the module to CPU: that would break its shard views.
         assert self.cluster_environment is not None and self.accelerator is not None
+        if self._ended_cleanly():
+            self._complete_inflight_gathers()
+            self.barrier()  # no rank goes on to exit, closing its sockets, while another still communicates
+        else:  # a peer may be dead or stuck in a collective: waiting on it, or destroying the group, could hang
+            _GROUP_AT_EXIT.failed = True
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
+
+    def _ended_cleanly(self) -> bool:
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        return trainer is None or trainer.state.status != TrainerStatus.INTERRUPTED
+
+    def _complete_inflight_gathers(self) -> None:
+        """Wait for prefetched all-gathers a stage left in flight (a step cut short): no collective may
+        outlive the stage, since work still pending at exit is freed by a backend thread in interpreter shutdown."""
+        if self.runtime is None:
+            return
+        for unit in self.runtime.units:
+            if unit.inflight is not None:
+                self.runtime.schedule.reshard(unit)  # waits for it, then frees its buffer
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -426,6 +478,69 @@ class ShardStrategy(ParallelStrategy):
             if name not in strategy_registry:
                 strategy_registry.register(name, cls, description=f"lightning_shard, sharding={sharding!r}",
                                            sharding=sharding)
+
+
+def _refuse_other_strategies(model: Any) -> None:
+    """Run at every conversion of a sharded model (``model.to(device)``, the first thing a Lightning strategy's
+    setup does): a Trainer with another strategy would step its 1-D shards as if they were the model (DDP
+    would broadcast rank 0's shards over the others' first)."""
+    trainer = getattr(model, "_trainer", None)
+    if trainer is None or trainer.state.status != TrainerStatus.RUNNING:  # a finished one: the user's own call
+        return
+    strategy = trainer.strategy
+    if not isinstance(strategy, ShardStrategy):
+        raise RuntimeError(
+            f"lightning_shard: this model was sharded by ShardStrategy (its parameters are 1-D shards of the"
+            f" model's), so a Trainer with {type(strategy).__name__} cannot run it. Use"
+            " Trainer(strategy=ShardStrategy(...)) with the options it was sharded with, or a fresh model."
+        )
+
+
+def _refuse_layer_sync_on_sharded(model: Any) -> None:
+    """``sync_batchnorm=True`` replaces batch norms by new modules, which would hold the old ones' shards."""
+    plain = [name for name, m in model.named_modules()
+             if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and not isinstance(m, torch.nn.SyncBatchNorm)]
+    if plain:
+        raise ValueError(
+            f"lightning_shard: `sync_batchnorm=True` on a model sharded without it would replace its batch norms"
+            f" ({plain[:4]}) after sharding. Give the Trainer that first sharded it `sync_batchnorm=True`, or use"
+            " a fresh model."
+        )
+
+
+class _GroupAtExit:
+    """Destroys, at interpreter exit, the default process group a ShardStrategy created, unless a run failed.
+
+    Left to interpreter shutdown, the group's backend threads are torn down while Python is finalizing, when a
+    thread that needs the GIL (to free a tensor it held) is killed inside a destructor: the process aborts with
+    "terminate called without an active exception", most often when a peer has already exited and closed its
+    sockets. Destroying the group while the interpreter is whole joins those threads cleanly. It is not done
+    in ``teardown``: Trainer.validate/test after fit, and ``full_state_dict(strategy.runtime)``, still use the
+    group (Lightning's DDPStrategy keeps it too). After a failure a peer may be stuck in a collective, and
+    destroying could block on it: the process is exiting with an error anyway.
+    """
+
+    def __init__(self) -> None:
+        self.group: Optional[weakref.ref] = None  # weak: a group the user destroys must not live on here
+        self.failed = False
+        self._registered = False
+
+    def adopt(self, group: Any) -> None:
+        self.group = weakref.ref(group)
+        if not self._registered:
+            atexit.register(self)
+            self._registered = True
+
+    def __call__(self) -> None:
+        group = self.group() if self.group is not None else None
+        # only the group created here: a later group (a user's re-init) is its creator's to destroy
+        if group is None or self.failed or not _distributed_is_initialized():
+            return
+        if torch.distributed.group.WORLD is group:
+            torch.distributed.destroy_process_group()
+
+
+_GROUP_AT_EXIT = _GroupAtExit()
 
 
 def _same_kind(optimizer: Optimizer) -> Callable[[list], Optimizer]:
