@@ -470,3 +470,80 @@ def buffers_like_ddp(rank: int, world: int, steps: int = 4):
         for name, value in rank0.items():  # the checkpoint holds rank 0's copy, on every rank
             torch.testing.assert_close(state[name], value, rtol=0, atol=0, msg=lambda m, n=name: f"saved {n}: {m}")
     return sorted(live)
+
+
+class Gan(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.generator = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 4))
+        self.discriminator = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+def _toggle(active: torch.optim.Optimizer, everything: list[torch.optim.Optimizer]) -> dict:
+    """Lightning's ``toggle_optimizer``: every optimizer's parameters frozen but the active one's."""
+    state = {p: p.requires_grad for opt in everything for group in opt.param_groups for p in group["params"]}
+    for p in state:
+        p.requires_grad_(False)
+    for group in active.param_groups:
+        for p in group["params"]:
+            p.requires_grad_(state[p])
+    return state
+
+
+def gan_toggling_inside_the_step(rank: int, world: int, mode: str, steps: int = 3):
+    """A manual-optimization GAN step (as Lightning's docs write it): ``toggle_optimizer`` freezes the other
+    network *inside* the step, so the generator's loss gives the discriminator no gradient. Each rank runs its
+    chunk inside ``run_step`` (the strategy's step); the reference runs every chunk in one process and averages."""
+    g = torch.Generator().manual_seed(4)
+    batches = [(torch.randn(2 * world, 3, generator=g), torch.randn(2 * world, 4, generator=g)) for _ in range(steps)]
+    torch.manual_seed(0)
+    reference = Gan()
+    sharded = copy.deepcopy(reference)
+    runtime = shard_module(sharded, sharding=mode, units=["Sequential"])
+
+    def step(model, z, real, opts, scale):
+        opt_g, opt_d = opts
+        state = _toggle(opt_g, opts)
+        fake = model.generator(z)
+        (-model.discriminator(fake).mean() * scale).backward()
+        for p, flag in state.items():  # untoggle
+            p.requires_grad_(flag)
+        state = _toggle(opt_d, opts)
+        d_loss = model.discriminator(fake.detach()).mean() - model.discriminator(real).mean()
+        (d_loss * scale).backward()
+        for p, flag in state.items():
+            p.requires_grad_(flag)
+
+    for model in (reference, sharded):
+        opts = [torch.optim.SGD(model.generator.parameters(), lr=0.1),
+                torch.optim.SGD(model.discriminator.parameters(), lr=0.1)]
+        for z, real in batches:
+            if model is reference:  # each rank's chunk, averaged as the reduction does
+                for r in range(world):
+                    step(model, z.chunk(world)[r], real.chunk(world)[r], opts, 1 / world)
+            else:
+                runtime.run_step(step, model, z.chunk(world)[rank], real.chunk(world)[rank], opts, 1.0)
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+    assert_matches(runtime, reference, mode)
+    return True
+
+
+def side_forward_on_rank_0(rank: int, world: int):
+    """``if self.global_rank == 0: self(x)`` (a sample in a callback, outside the steps) with ``sharding="none"``,
+    which gathers nothing: it must run no collective (DDP's plain module forward does not), or rank 0 would hang
+    in it alone. Steps go through ``run_step``, as the strategy drives them."""
+    model = nn.Sequential(NormBlock(), nn.Linear(6, 1))
+    runtime = shard_module(model, sharding="none", units=["NormBlock"])
+
+    def train(x):
+        model(x).square().mean().backward()
+
+    for _ in range(2):
+        runtime.run_step(train, torch.randn(4, 6))
+        if rank == 0:
+            with torch.enable_grad():
+                model(torch.randn(3, 6))
+    runtime.run_step(train, torch.randn(4, 6))
+    return runtime.stats.agreements > 0

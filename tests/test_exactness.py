@@ -82,3 +82,12 @@ def test_buffers_are_broadcast_like_ddp_and_saved_once():
     names = run_world(scenarios.buffers_like_ddp, 2, timeout=200)[1]
     assert names == sorted(f"{i}.norm.{b}" for i in (0, 1) for b in ("num_batches_tracked", "running_mean",
                                                                         "running_var"))
+
+
+@pytest.mark.parametrize("mode", ["full", "grad_op"])
+def test_toggle_optimizer_inside_a_step_trains_like_one_process(mode):
+    assert run_world(scenarios.gan_toggling_inside_the_step, 2, mode, timeout=200) == [True, True]
+
+
+def test_a_forward_on_rank_0_only_outside_the_steps_runs_no_collective():
+    assert run_world(scenarios.side_forward_on_rank_0, 2, timeout=120) == [True, True]

@@ -192,10 +192,28 @@ class _Replaces(_Stack):
         self.embed.weight = nn.Parameter(torch.zeros(5, 4))
 
 
+class _Gain(nn.Module):
+    """No reset_parameters: left to the enclosing init, which forgets it."""
+
+    def __init__(self):
+        super().__init__()
+        self.g = nn.Parameter(torch.ones(4))
+
+
+class _Forgets(_Stack):
+    def __init__(self):
+        super().__init__()
+        self.gain = _Gain()
+
+    def init_weights(self):
+        nn.init.normal_(self.embed.weight)
+
+
 @pytest.mark.parametrize("cls, match", [
     (_NeedsArgs, r"module '<root>' \(_NeedsArgs\).*`init_weights\(std\)` needs arguments"),
     (_ReadsAnotherUnit, r"`_ReadsAnotherUnit.init_weights\(\)` of module '<root>'.*NotImplementedError.*never reading"),
     (_Replaces, r"`_Replaces.init_weights\(\)` of module '<root>' replaced parameter 'embed.weight'"),
+    (_Forgets, r"Cannot materialise \['gain.g'\] from the meta device: no init wrote"),  # was uninitialised memory
 ])
 def test_a_model_level_init_that_cannot_be_honoured_is_refused(cls, match):
     with torch.device("meta"):
@@ -217,3 +235,22 @@ def test_a_lightning_module_wrapping_a_meta_gpt():
     state = _shard_gpt(wrapper)
     assert state["model.wte.weight"].std().item() == pytest.approx(0.02, rel=0.05)
     assert all((v == 0).all() for k, v in state.items() if k.endswith("bias"))
+
+
+def test_hf_llama_on_meta_gets_its_init_in_every_unit():
+    """HF's init marks each module it initialised (``_is_hf_initialized``) and skips it next time: run once per
+    unit, it used to leave every unit after the first with torch's default init (std ~0.1, embedding 1.0)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2, initializer_range=0.02)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    shard_module(model, units=["LlamaDecoderLayer"], device=torch.device("cpu"))
+    from lightning_shard.checkpoint.full import full_state_dict
+
+    state = full_state_dict(model._shard_runtime, rank0_only=False)
+    weights = [k for k, v in state.items() if v.dim() == 2]
+    assert len(weights) == 3 * 7 + 2  # 7 projections per layer, the embedding and the (untied) head
+    for name in weights:
+        assert state[name].std().item() == pytest.approx(0.02, rel=0.15), name

@@ -26,7 +26,9 @@ def test_full_state_dict_and_loading_honour_renaming_hooks_on_two_ranks(tmp_path
     assert "blocks.0.kernel.kernel" in keys and "blocks.1.up.weight_t" in keys and "embedding.table" in keys
     assert "blocks.0.kernel.weight" not in keys and "embed.weight" not in keys
     # consolidating a sharded checkpoint of it gives the same keys and values as full_state_dict
-    consolidated = consolidate(tmp_path / "sharded", model=scenarios.HookedNet())["state_dict"]
+    model = scenarios.HookedNet()
+    consolidated = consolidate(tmp_path / "sharded", model=model)["state_dict"]
+    assert model.head.weight is model.embed.weight  # the model keeps the checkpoint's tensors, ties and all
     assert list(consolidated) == keys
     for name, value in results[0]["plain"].items():
         torch.testing.assert_close(consolidated[name], value, rtol=0, atol=0)

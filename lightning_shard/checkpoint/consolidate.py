@@ -69,17 +69,18 @@ def _through_hooks(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str
     """``model.state_dict()`` once its parameters and buffers are ``state``'s tensors. A buffer may be saved
     under its hooked name (the sharded model's ``state_dict()`` key), found through the tensor it stands for."""
     hooked = {id(v): k for k, v in model.state_dict(keep_vars=True).items()}
+    made: dict[int, nn.Parameter] = {}  # one new Parameter per original: ties stay ties
     for (name, tensor), kind in [*((p, "_parameters") for p in model.named_parameters(remove_duplicate=False)),
                                  *((b, "_buffers") for b in model.named_buffers(remove_duplicate=False))]:
         module_name, _, attr = name.rpartition(".")
         module = model.get_submodule(module_name)
         if kind == "_buffers" and attr in module._non_persistent_buffers_set:
             continue
-        value = state.get(name, state.get(hooked.get(id(tensor), "")))
+        value = made[id(tensor)] if id(tensor) in made else state.get(name, state.get(hooked.get(id(tensor), "")))
         if value is None:
             raise files.CheckpointError(f"The checkpoint holds no {name!r}: it is not a checkpoint of this model.")
-        if kind == "_parameters":
-            value = nn.Parameter(value, requires_grad=tensor.requires_grad)
+        if kind == "_parameters" and id(tensor) not in made:
+            value = made[id(tensor)] = nn.Parameter(value, requires_grad=tensor.requires_grad)
         getattr(module, kind)[attr] = value
     return {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in model.state_dict().items()}
 

@@ -112,7 +112,7 @@ def load_into(runtime: ShardRuntime, source: Union[TensorSource, SafetensorsSour
     """
     slots = [(unit, slot, param) for unit in runtime.units
              for slot, param in zip(unit.storage.slots, unit.storage.shard_params)]
-    walk = _KeyWalk(slots, source, prefix)
+    walk = _KeyWalk(slots, source, prefix, strict)
     walk.load(runtime.root, walk.initial(), "")
     missing, unexpected = walk.incompatible()
     if strict and (missing or unexpected):
@@ -150,8 +150,8 @@ class _KeyWalk:
     ``_load_from_state_dict`` is refused, naming it; one holding no sharded parameter runs its own.
     """
 
-    def __init__(self, slots: list, source: Union[TensorSource, SafetensorsSource], prefix: str) -> None:
-        self.source, self.prefix = source, prefix
+    def __init__(self, slots: list, source: Union[TensorSource, SafetensorsSource], prefix: str, strict: bool) -> None:
+        self.source, self.prefix, self.strict = source, prefix, strict  # the hooks get `strict` as load_state_dict's do
         self.slot_at = {(id(module), attr): i for i, (_, slot, _) in enumerate(slots)
                         for module, attr in slot.locations}
         self.slot_names = [slot.names for _, slot, _ in slots]
@@ -193,11 +193,11 @@ class _KeyWalk:
             for key, value in list(local.items()):  # its own state, whole (buffers and such: small)
                 if key.startswith(mprefix) and "." not in key[len(mprefix):] and isinstance(value, Tensor):
                     local[key] = self.whole(value)
-            module._load_from_state_dict(local, mprefix, local_metadata, True, self.missing, self.unexpected,
+            module._load_from_state_dict(local, mprefix, local_metadata, self.strict, self.missing, self.unexpected,
                                          self.errors)
         else:
             for hook in module._load_state_dict_pre_hooks.values():
-                hook(local, mprefix, local_metadata, True, self.missing, self.unexpected, self.errors)
+                hook(local, mprefix, local_metadata, self.strict, self.missing, self.unexpected, self.errors)
                 self._note_computed(local, name, hook)
             self._take_own(module, local, mprefix)
         for child_name, child in module._modules.items():

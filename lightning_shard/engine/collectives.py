@@ -143,9 +143,14 @@ def broadcast(flat: Tensor, group, stats: CommStats, label: str = "broadcast") -
 
 def agree(flags: Tensor, group, stats: CommStats, label: str) -> Tensor:
     """The elementwise max of a small flag tensor over all ranks, in place: a decision every rank shares."""
+    return start_agreement(flags, group, stats, label).wait()
+
+
+def start_agreement(flags: Tensor, group, stats: CommStats, label: str) -> Pending:
+    """:func:`agree` in flight, for a check that is needed only later: ``wait()`` gives the result."""
     stats.agreements += 1
     launch = functools.partial(dist.all_reduce, flags, op=dist.ReduceOp.MAX, group=group)
-    return _run(launch, flags, stats, False, label=label).result
+    return _run(launch, flags, stats, True, label=label)
 
 
 def fingerprint(values: list[int]) -> int:

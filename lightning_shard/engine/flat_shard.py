@@ -75,6 +75,7 @@ class FlatShard:
         ]
         self.free()  # views exist now; the storage comes back at the first gather
         self.trainable = [i for i, s in enumerate(slots) if s.requires_grad]
+        self.requires_grad = [s.requires_grad for s in slots]  # as last synced (see sync_requires_grad)
         self.shard_grad: Optional[Tensor] = None
         self._shard_grad_views: dict[int, Tensor] = {}
 
@@ -132,16 +133,20 @@ class FlatShard:
 
     # -- gradients ----------------------------------------------------------------------------------
     def sync_requires_grad(self) -> list[nn.Parameter]:
-        """Follow ``requires_grad`` set on the shard parameters since setup (what a fine-tuning callback freezing
-        or unfreezing layers between steps touches); returns the gathered parameters that became trainable.
-        ``ParamSlot.requires_grad`` stays the value at setup."""
-        flags = [param.requires_grad for param in self.shard_params]
-        if flags == [param.requires_grad for param in self.gathered_params]:
-            return []
-        unfrozen = [gathered for flag, gathered in zip(flags, self.gathered_params) if flag and not gathered.requires_grad]
-        for flag, gathered in zip(flags, self.gathered_params):
-            gathered.requires_grad_(flag)
-        self.trainable = [i for i, flag in enumerate(flags) if flag]
+        """Follow ``requires_grad`` changed since the last call on either parameter of a slot: the shard (what the
+        optimizer and, between steps, ``named_parameters()`` hold: ``toggle_optimizer``, a fine-tuning callback)
+        or the gathered one (registered in the tree while the unit is gathered). Returns the gathered parameters
+        that became trainable. ``ParamSlot.requires_grad`` stays the value at setup."""
+        unfrozen, changed = [], False
+        for i, (shard, gathered) in enumerate(zip(self.shard_params, self.gathered_params)):
+            if shard.requires_grad != self.requires_grad[i] or gathered.requires_grad != self.requires_grad[i]:
+                flag = self.requires_grad[i] = not self.requires_grad[i]
+                shard.requires_grad_(flag)
+                gathered.requires_grad_(flag)
+                unfrozen += [gathered] if flag else []
+                changed = True
+        if changed:
+            self.trainable = [i for i, trains in enumerate(self.requires_grad) if trains]
         return unfrozen
 
     def take_unsharded_grads(self, dtype: torch.dtype) -> tuple[Tensor, list[int]]:

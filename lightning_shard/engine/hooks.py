@@ -61,7 +61,8 @@ class ShardRuntime:
         reduce_dtype: Optional[torch.dtype] = None,
         prefetch: int = 1,
         nonfinite: Optional[str] = None,
-        elide_backward_gathers: bool = True,
+        elide_backward_gathers: bool = False,
+        broadcast_buffers: bool = True,
     ) -> None:
         self.root = root
         self.units = units  # root unit last
@@ -80,7 +81,9 @@ class ShardRuntime:
         self._final_callback_queued = False  # a backward is running
         self._handles: list[Any] = []
         self._watched: set[int] = set()  # ids of gathered parameters with a post-accumulate-grad hook
+        self.broadcast_buffers = broadcast_buffers
         self._buffers_stale = False  # the ranks' buffers may differ (a training step updated them locally)
+        self._steps_driven = False  # run_step is in use: a bare root forward is not a step
         self.undo: list[Callable[[], None]] = []  # restores what was wrapped at setup (activation checkpointing)
         self._install_hooks()
 
@@ -101,7 +104,8 @@ class ShardRuntime:
     # -- steps (the root's scope) -------------------------------------------------------------------
     def run_step(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run one ``*_step`` as the root's scope (see the module note)."""
-        self._enter_step()
+        self._steps_driven = True
+        self._enter_step(step=True)
         output = None
         try:
             output = step(*args, **kwargs)
@@ -109,7 +113,9 @@ class ShardRuntime:
         finally:
             self._exit_step(output)
 
-    def _enter_step(self) -> None:
+    def _enter_step(self, step: bool) -> None:
+        """``step``: a training/eval step every rank runs (``run_step``, or a root forward where no one calls
+        ``run_step``), not a forward outside the steps (a callback's sample on rank 0): only a step syncs buffers."""
         if self._depth == 0 and self._final_callback_queued and not _in_backward():
             self._recover_from_failed_backward()
         if self._depth == 0 and not self._final_callback_queued:
@@ -117,11 +123,15 @@ class ShardRuntime:
             for unit in self.units:
                 self.schedule.reshard(unit)
                 unit.backward_pending = 0
-            self._sync_requires_grad()
-            if self._buffers_stale:
-                self.sync_buffers()
-            # DDP's broadcast_buffers: the next step starts from rank 0's buffers if this one may change them
-            self._buffers_stale = torch.is_grad_enabled() and self.reducer.sync_grads
+            for unit in self.units:
+                self._follow_requires_grad(unit)
+            if step and self.world_size > 1 and torch.is_grad_enabled():
+                self.reducer.compare_trainable()
+            if step and self.broadcast_buffers:
+                if self._buffers_stale:
+                    self.sync_buffers()
+                # DDP's broadcast_buffers: the next step starts from rank 0's buffers if this one may change them
+                self._buffers_stale = torch.is_grad_enabled() and self.reducer.sync_grads
             if self.root_unit is not None:
                 self.schedule.gather(self.root_unit)
             self.schedule.start_forward()
@@ -186,8 +196,9 @@ class ShardRuntime:
             owners = {id(module): module for slot in self.root_unit.storage.slots for module, _ in slot.locations}
             for owner in owners.values():
                 self._handles.append(owner.register_forward_pre_hook(
-                    lambda m, a, k, u=self.root_unit: _cast_inputs(u, a, k), with_kwargs=True))
-        self._handles.append(self.root.register_forward_pre_hook(lambda m, a: self._enter_step()))
+                    lambda m, a, k, u=self.root_unit: self._root_module_pre_forward(u, a, k), with_kwargs=True))
+        self._handles.append(self.root.register_forward_pre_hook(
+            lambda m, a: self._enter_step(step=not self._steps_driven)))
         self._handles.append(self.root.register_forward_hook(lambda m, a, out: self._exit_step(out), always_call=True))
 
     def _watch_for_backward(self, param: nn.Parameter) -> None:
@@ -196,26 +207,17 @@ class ShardRuntime:
             self._watched.add(id(param))
             self._handles.append(param.register_post_accumulate_grad_hook(lambda _: self._start_backward()))
 
-    def _sync_requires_grad(self) -> None:
-        """Parameters frozen or unfrozen between steps (on the shard parameters, which the optimizer and
-        ``named_parameters()`` see): the gathered ones follow before the step's first gather.
+    def _follow_requires_grad(self, unit: Unit) -> None:
+        """Parameters frozen or unfrozen since the unit's last use (a fine-tuning callback between steps,
+        ``toggle_optimizer`` inside one): its gathered parameters follow before they are computed with. The
+        ranks compare what they train at each step's start (checked before its first reduction) and again in
+        the agreement that ends each backward."""
+        for param in unit.storage.sync_requires_grad():
+            self._watch_for_backward(param)
 
-        Which units are reduced depends on it, so the ranks agree on it first (one tiny all-reduce per training
-        step): a rank that froze other parameters is an error here, not a mismatched reduction later."""
-        for unit in self.units:
-            for param in unit.storage.sync_requires_grad():
-                self._watch_for_backward(param)
-        if self.world_size == 1 or not torch.is_grad_enabled():
-            return
-        trained = collectives.fingerprint([i for unit in self.units for i in (-1, *unit.storage.trainable)])
-        device = self.units[0].storage.shard.device  # NCCL reduces device tensors only
-        high, low = collectives.agree(torch.tensor([trained, -trained], device=device), self.group, self.stats,
-                                      label="agreement on the parameters to train").tolist()
-        if high != -low:
-            raise RuntimeError(
-                "lightning_shard: ranks train different parameters: `requires_grad` was changed on some ranks only."
-                " Freeze or unfreeze parameters on every rank (a callback's hooks run on all of them)."
-            )
+    def _root_module_pre_forward(self, unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        self._follow_requires_grad(unit)
+        return _cast_inputs(unit, args, kwargs)
 
     def remove_hooks(self) -> None:
         for handle in self._handles:
@@ -359,6 +361,7 @@ class ShardRuntime:
                 owner._parameters[attr] = param
 
     def _pre_forward(self, unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        self._follow_requires_grad(unit)
         self.schedule.gather(unit)
         args, kwargs = _cast_inputs(unit, args, kwargs)
         if not self._final_callback_queued:  # not a recomputation inside backward

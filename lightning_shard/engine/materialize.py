@@ -15,14 +15,17 @@ For each unit, in two steps:
    start) is meanwhile replaced by a meta placeholder of its original shape: init ops on meta tensors are
    no-ops that draw no random numbers, so the init takes effect on exactly this unit's new parameters, the
    same way whatever the world size. The model-level init therefore runs once per unit it encloses (and once
-   more for meta buffers left over at the end), and never touches a tensor that was not on meta.
+   more for meta buffers left over at the end), and never touches a parameter that was not on meta (real
+   buffers it sets are set again, to the same values for a deterministic init).
 
 A module's ``init_weights`` that needs arguments (torchtitan's ``Attention.init_weights(init_std)``) is
 left to the enclosing no-argument init that calls it; with none, setup refuses. It also refuses an init
 that replaces a parameter instead of initialising it in place, or fails on the placeholders (``copy_``
 or ``.item()`` of another unit's parameter). Not detected, so not supported: an init reading another unit's
 values in a way meta tensors let through silently (``p.add_(other)`` is a no-op), one that checks
-``is_meta``, or one that remembers it has run (e.g. a flag): it would take effect on the first unit only.
+``is_meta``, or one that remembers it has run (e.g. a flag): it would take effect on the first unit only
+(HF transformers' ``_is_hf_initialized`` module flags are cleared before each run). A parameter no init
+wrote (it starts as NaN) is refused, naming it.
 Values are not bit-identical to building on a real device with the same seed (the random numbers are drawn
 in a different order), only identically distributed.
 
@@ -99,6 +102,14 @@ class Materializer:
         fresh = {id(param) for (param, _), meta in zip(plan.params, was_meta) if meta}
         self._run_model_level([(m, name) for m, name in self.model_level
                                if any(id(p) in fresh for p in m.parameters())], fresh)
+        unset = [".".join(filter(None, locations[0])) for param, locations in plan.params
+                 if id(param) in fresh and param.is_floating_point() and bool(torch.isnan(param).any())]
+        if unset:
+            raise ValueError(
+                f"Cannot materialise {unset[:4]} from the meta device: no init wrote (all of) them. Their module has"
+                " no `reset_parameters()`, and the model-level init enclosing it leaves them as they were. Initialise"
+                " them there, give their module a `reset_parameters()`, or build the model on a real device."
+            )
 
     def leftover_buffers(self) -> None:
         """Buffers of modules owning no parameters (e.g. a parameter-free module's fixed table)."""
@@ -134,7 +145,7 @@ class Materializer:
         with torch.no_grad():
             for attr, param in list(module._parameters.items()):
                 if param is not None and param.is_meta:
-                    real = nn.Parameter(torch.empty_like(param, device=self.device), requires_grad=param.requires_grad)
+                    real = nn.Parameter(_unwritten(param, self.device), requires_grad=param.requires_grad)
                     for owner, owner_attr in self.owners[id(param)]:
                         owner._parameters[owner_attr] = real
                     self.owners[id(real)] = self.owners.pop(id(param))
@@ -154,6 +165,9 @@ class Materializer:
             expected = param if id(param) in fresh else placeholder
             module._parameters[attr] = expected
             kept.append((module, attr, param, expected))
+        for module, _ in inits:  # HF's init skips a module it marked as done: each unit's run is a first run
+            for submodule in module.modules():
+                submodule.__dict__.pop("_is_hf_initialized", None)
         try:
             with torch.no_grad():
                 for module, name in inits:
@@ -180,6 +194,13 @@ class Materializer:
         finally:
             for owner, attr, param, _ in kept:
                 owner._parameters[attr] = param
+
+
+def _unwritten(param: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Storage for a meta parameter, NaN where floating point: what no init writes is found afterwards."""
+    if param.is_floating_point():
+        return torch.full_like(param, float("nan"), device=device)
+    return torch.empty_like(param, device=device)
 
 
 def _post_order(root: nn.Module) -> list[nn.Module]:

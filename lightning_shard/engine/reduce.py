@@ -40,6 +40,7 @@ class GradientReducer:
         self._pending: list[tuple[Unit, Pending, list[int]]] = []
         self._reduced: list[tuple[Unit, Tensor, list[int]]] = []  # waiting for the ranks' agreed used-mask
         self._done: set[int] = set()  # ids of units reduced in this backward
+        self._trainable_check: Optional[Pending] = None  # the ranks' comparison of what they train, in flight
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -56,6 +57,7 @@ class GradientReducer:
         storage = unit.storage
         if not self.sync_grads or not storage.trainable or (sweep and id(unit) in self._done):
             return
+        self.check_trainable()
         self._done.add(id(unit))
         flat, used = storage.take_unsharded_grads(self.reduce_dtype or storage.master_dtype)
         if self.world_size > 1:
@@ -72,6 +74,27 @@ class GradientReducer:
         self._pending.append((unit, pending, used))
         while len(self._pending) > MAX_PENDING_REDUCTIONS:
             self._complete_oldest()
+
+    def compare_trainable(self) -> None:
+        """Start comparing the parameters the ranks train (a step's start, before anything is reduced): which units
+        are reduced depends on it. Checked before the step's first reduction, so a rank that froze something
+        the others train is an error there, not mismatched collectives."""
+        self.check_trainable()  # a step that ran no backward left its comparison unchecked
+        trained = self._trained()
+        device = self.units[0].storage.shard.device  # NCCL reduces device tensors only
+        self._trainable_check = collectives.start_agreement(
+            torch.tensor([trained, -trained], device=device), self.group, self.stats,
+            label="agreement on the parameters to train")
+
+    def check_trainable(self) -> None:
+        if self._trainable_check is not None:
+            high, low = self._trainable_check.wait().tolist()
+            self._trainable_check = None
+            if high != -low:
+                raise _different_trainables()
+
+    def _trained(self) -> int:
+        return collectives.fingerprint([i for unit in self.units for i in (-1, *unit.storage.trainable)])
 
     def finish(self) -> None:
         """End of backward: reduce the units whose post-backward did not fire (inputs without grad, the root),
@@ -92,14 +115,20 @@ class GradientReducer:
         for unit, _, used in reduced:
             used_anywhere[[start[id(unit)] + i for i in used]] = 1
         if self.world_size > 1:
-            # the same collective also checks that every rank reduced the units in the same order: where it
-            # did not (a unit's backward ran on some ranks only), the reductions summed unrelated gradients
+            # the same collective also checks that the ranks train the same parameters (where one froze a
+            # parameter the others train, its zeros were averaged in as a gradient), and that they reduced the
+            # units in the same order (where a unit's backward ran on some ranks only, they summed unrelated
+            # gradients)
             order = collectives.fingerprint([self.units.index(unit) for unit, _, _ in reduced])
+            trained = self._trained()
             device = self.units[0].storage.shard.device  # NCCL reduces device tensors only
-            agreed = collectives.agree(torch.cat([used_anywhere, torch.tensor([order, -order])]).to(device),
-                                       self.group, self.stats, label="agreement on the parameters used").cpu()
-            used_anywhere, (high, low) = agreed[:-2], agreed[-2:].tolist()
+            checks = torch.tensor([trained, -trained, order, -order])
+            agreed = collectives.agree(torch.cat([used_anywhere, checks]).to(device), self.group, self.stats,
+                                       label="agreement on the parameters used").cpu()
+            used_anywhere, (high, low, order_high, order_low) = agreed[:-4], agreed[-4:].tolist()
             if high != -low:
+                raise _different_trainables()
+            if order_high != -order_low:
                 raise RuntimeError(
                     "lightning_shard: ranks reduced the units' gradients in different orders, so they summed"
                     " unrelated gradients. A unit's backward ran on some ranks only (a loss term or a unit used"
@@ -134,3 +163,9 @@ class GradientReducer:
             return None
         return self.units[int((finite == 0).nonzero()[0])]
 
+
+def _different_trainables() -> RuntimeError:
+    return RuntimeError(
+        "lightning_shard: ranks train different parameters: `requires_grad` was changed on some ranks only."
+        " Freeze or unfreeze parameters on every rank (a callback's hooks run on all of them)."
+    )

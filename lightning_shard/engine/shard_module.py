@@ -43,6 +43,7 @@ def shard_module(
     device: Optional[torch.device] = None,
     elide_backward_gathers: bool = False,
     activation_checkpointing: CheckpointSpec = False,
+    broadcast_buffers: bool = True,
 ) -> ShardRuntime:
     """Shard ``module``'s parameters across ``group`` and install the hooks that gather them on use.
 
@@ -57,7 +58,7 @@ def shard_module(
         "sharding": sharding, "units": _spec_names(units), "unit_size": unit_size, "param_dtype": param_dtype,
         "reduce_dtype": reduce_dtype, "buffer_dtype": buffer_dtype, "prefetch": prefetch, "nonfinite": nonfinite,
         "elide_backward_gathers": elide_backward_gathers,
-        "activation_checkpointing": _spec_names(activation_checkpointing),
+        "activation_checkpointing": _spec_names(activation_checkpointing), "broadcast_buffers": broadcast_buffers,
     }
     existing = getattr(module, "_shard_runtime", None)
     if existing is not None:
@@ -99,7 +100,8 @@ def shard_module(
                     submodule._buffers[name] = buffer.to(buffer_dtype)
 
     runtime = ShardRuntime(module, built, root_unit, group, reduce_dtype=reduce_dtype, prefetch=prefetch,
-                           nonfinite=nonfinite, elide_backward_gathers=elide_backward_gathers)
+                           nonfinite=nonfinite, elide_backward_gathers=elide_backward_gathers,
+                           broadcast_buffers=broadcast_buffers)
     runtime.sync_buffers()  # rank 0's, as DDP starts
     runtime.undo.extend(checkpoint_modules(module, built, root_unit, activation_checkpointing))
     runtime.install_guards()

@@ -79,6 +79,9 @@ class ShardStrategy(ParallelStrategy):
         elide_backward_gathers: skip the backward all-gather of a unit whose parameters autograd did not save
             in forward (an embedding fed token ids); detected each step and agreed across ranks. Off by default:
             the detection hides in-place changes of saved tensors from autograd's check (see the README).
+        broadcast_buffers: as DDP's: rank 0's buffers (BatchNorm running statistics) are broadcast before a step
+            that follows a training step. ``False`` leaves each rank its own (as FSDP does); checkpoints still
+            hold rank 0's.
         reduce_during_accumulation: reduce-scatter gradients after every micro-batch, keeping gradient
             memory at 1/N. ``False`` skips the reduction on non-final micro-batches of
             ``accumulate_grad_batches``: less communication, but a full gradient per unit is held.
@@ -112,6 +115,7 @@ class ShardStrategy(ParallelStrategy):
         prefetch: int = 1,
         activation_checkpointing: CheckpointSpec = False,
         elide_backward_gathers: bool = False,
+        broadcast_buffers: bool = True,
         reduce_during_accumulation: bool = True,
         mixed_precision: Optional[MixedPrecision] = None,
         nonfinite: Optional[str] = None,
@@ -144,6 +148,9 @@ class ShardStrategy(ParallelStrategy):
         if not isinstance(elide_backward_gathers, bool):
             raise ValueError(f"`elide_backward_gathers` must be True or False, got {elide_backward_gathers!r}.")
         self.elide_backward_gathers = elide_backward_gathers
+        if not isinstance(broadcast_buffers, bool):
+            raise ValueError(f"`broadcast_buffers` must be True or False, got {broadcast_buffers!r}.")
+        self.broadcast_buffers = broadcast_buffers
         self.reduce_during_accumulation = bool(reduce_during_accumulation)
         self.mixed_precision = validate_mixed_precision(mixed_precision)
         if nonfinite not in (None, "skip", "error"):
@@ -246,7 +253,7 @@ class ShardStrategy(ParallelStrategy):
                 param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype, buffer_dtype=policy.buffer_dtype,
                 nonfinite=self.nonfinite, device=self.root_device,
                 activation_checkpointing=self.activation_checkpointing,
-                elide_backward_gathers=self.elide_backward_gathers,
+                elide_backward_gathers=self.elide_backward_gathers, broadcast_buffers=self.broadcast_buffers,
             )
             rank_zero_info(
                 f"lightning_shard: sharding={self.sharding!r}, {len(self.runtime.units)} units over"
