@@ -78,6 +78,11 @@ class _null:
         return False
 
 
+def parity_all(rank: int, world: int) -> dict[str, dict]:
+    """Every scenario in one world (a world's start costs more than a scenario): per scenario, ``parity``'s report."""
+    return {scenario: parity(rank, world, scenario) for scenario in sorted(SCENARIOS)}
+
+
 def parity(rank: int, world: int, scenario: str, modes=("full", "grad_op", "none"), steps=20, accumulate=1, clip=None):
     model_cls, kwargs = SCENARIOS[scenario]
     g = torch.Generator().manual_seed(1234)
@@ -101,7 +106,7 @@ def parity(rank: int, world: int, scenario: str, modes=("full", "grad_op", "none
         assert full.keys() == expected.keys(), (full.keys(), expected.keys())
         for name, value in expected.items():
             if "running" in name or "num_batches" in name:
-                if rank == 0:  # DDP broadcasts rank 0's buffers; we keep each rank's own
+                if rank == 0:  # a full state dict holds rank 0's buffers; DDP's other ranks keep their last update
                     torch.testing.assert_close(full[name], value, rtol=1e-5, atol=1e-6)
                 continue
             torch.testing.assert_close(full[name], value, rtol=1e-5, atol=1e-6,

@@ -14,6 +14,11 @@ from lightning_shard.checkpoint.full import full_state_dict
 from lightning_shard.engine.shard_module import shard_module
 
 
+def in_modes(rank: int, world: int, scenario: str, modes: list[str]) -> list:
+    """One world for several shardings of a scenario: a world's start costs more than most scenarios."""
+    return [globals()[scenario](rank, world, mode) for mode in modes]
+
+
 def assert_matches(runtime, reference: nn.Module, tag: str) -> None:
     """The sharded model's full state equals the reference's, to float32 rounding."""
     full = full_state_dict(runtime, rank0_only=False)

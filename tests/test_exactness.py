@@ -58,10 +58,9 @@ def test_a_units_backward_on_some_ranks_only_is_an_error_not_a_silent_swap():
     assert str(failure.value).count("ranks reduced the units' gradients in different orders") == 2
 
 
-@pytest.mark.parametrize("mode", ["full", "grad_op"])
-def test_freezing_and_unfreezing_between_steps_trains_like_one_process(mode):
-    trainable = run_world(scenarios.freeze_unfreeze, 2, mode, timeout=200)[0]
-    assert trainable == ["backbone.1.0.weight", "backbone.1.0.bias"]
+def test_freezing_and_unfreezing_between_steps_trains_like_one_process():
+    trainable = run_world(scenarios.in_modes, 2, "freeze_unfreeze", ["full", "grad_op"], timeout=300)[0]
+    assert trainable == [["backbone.1.0.weight", "backbone.1.0.bias"]] * 2
 
 
 def test_ranks_that_freeze_different_parameters_are_told():
@@ -84,9 +83,9 @@ def test_buffers_are_broadcast_like_ddp_and_saved_once():
                                                                         "running_var"))
 
 
-@pytest.mark.parametrize("mode", ["full", "grad_op"])
-def test_toggle_optimizer_inside_a_step_trains_like_one_process(mode):
-    assert run_world(scenarios.gan_toggling_inside_the_step, 2, mode, timeout=200) == [True, True]
+def test_toggle_optimizer_inside_a_step_trains_like_one_process():
+    assert run_world(scenarios.in_modes, 2, "gan_toggling_inside_the_step", ["full", "grad_op"],
+                     timeout=300) == [[True, True]] * 2
 
 
 def test_a_forward_on_rank_0_only_outside_the_steps_runs_no_collective():
