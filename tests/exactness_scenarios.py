@@ -4,6 +4,7 @@ ranks see different things, each trained against DDP or a single process on the 
 from __future__ import annotations
 
 import copy
+import os
 
 import torch
 import torch.distributed as dist
@@ -386,6 +387,9 @@ def backbone_finetuning(rank: int, world: int):
         trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=None, collate_fn=lambda b: b))
         return module, trainer
 
+    # this world's processes are the Trainer's ranks: without LOCAL_RANK, Lightning's launcher would start a
+    # rank 1 of its own by re-running this process's command line (the whole pytest run)
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))
     sharded, trainer = fit(ShardStrategy(units=["Sequential"]), world, slice(2 * rank, 2 * rank + 2))
     full = full_state_dict(trainer.strategy.runtime, rank0_only=False)
     reference, _ = fit("auto", 1, slice(None))
