@@ -115,7 +115,8 @@ class ShardRuntime:
 
     def _enter_step(self, step: bool) -> None:
         """``step``: a training/eval step every rank runs (``run_step``, or a root forward where no one calls
-        ``run_step``), not a forward outside the steps (a callback's sample on rank 0): only a step syncs buffers."""
+        ``run_step``), not a forward outside the steps (a callback's sample on rank 0): only a step runs the
+        ranks' agreements (the trainable parameters, the buffers), which every rank must join."""
         if self._depth == 0 and self._final_callback_queued and not _in_backward():
             self._recover_from_failed_backward()
         if self._depth == 0 and not self._final_callback_queued:
