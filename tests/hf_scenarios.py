@@ -35,10 +35,14 @@ def _assert_matches(runtime, reference: nn.Module, label: str) -> None:
 
 
 def _train_both(reference: nn.Module, sharded: nn.Module, batches: list, loss_fn, rank: int, world: int,
-                lr: float) -> None:
-    """The reference on each whole global batch in one process; the sharded model on this rank's chunk."""
+                lr: float, adam: bool = True) -> None:
+    """The reference on each whole global batch in one process; the sharded model on this rank's chunk.
+
+    ``adam=False``: SGD, for models with gradients that are zero in exact arithmetic (attention's key bias),
+    whose rounding noise Adam's normalisation would blow up to steps of size ``lr``."""
     for model, local in ((reference, False), (sharded, True)):
-        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+        opt = (torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1) if adam
+               else torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9))
         for batch in batches:
             if local:
                 batch = tuple(t.chunk(world)[rank] for t in batch)

@@ -75,8 +75,10 @@ def test_units_of_wrong_type_fail_at_construction():
         ShardStrategy(units=[42])
 
 
-def test_unit_matching_nothing_warns_naming_it():
-    with pytest.warns(UserWarning, match="`units` entry 'Blok' matches no module of TinyGPT"):
+def test_unit_matching_nothing_is_an_error_naming_it():
+    # a typo must not train the whole model unsharded
+    with pytest.raises(ValueError, match=r"`units` entries \['Blok'\] match no module of TinyGPT; its classes with"
+                                         r" parameters are \['Block', .*'Linear'"):
         plan_units(models.TinyGPT(), units=["Blok", "Block"])
 
 
@@ -114,3 +116,32 @@ def test_single_process_module_matches_unsharded_training():
 
     for key, value in reference.state_dict().items():
         torch.testing.assert_close(full_state_dict(sharded._shard_runtime)[key], value)
+
+
+def test_default_plan_on_real_models_gives_one_unit_per_layer_and_trains_exactly():
+    pytest.importorskip("transformers")
+    from tests import default_plan_scenarios
+    from tests.world import run_world
+
+    results = run_world(default_plan_scenarios.run, 2, timeout=300)
+    layers = [f"transformer.{part}.layers.{i}" for part in ("encoder", "decoder") for i in range(2)]
+    assert results[0]["lightning_transformer"] == {"units": layers + ["<root>"], "warnings": []}
+    assert results[0]["hf_llama"] == {"units": ["model.layers.0", "model.layers.1", "<root>"], "warnings": []}
+    # the root-heavy plan is named loudly, once (rank 0), with the fix
+    (message,) = results[0]["root_heavy"]
+    assert "root unit holds 100% of Sequential's 288 parameters (largest: 0.weight (64)," in message
+    assert "`units=[...]` (module classes or class names, e.g. units=['Linear'])" in message
+    assert "`unit_size=`" in message
+    assert results[1]["root_heavy"] == []
+
+
+def test_plan_is_reported_as_a_count_and_a_table_by_kind():
+    from lightning_shard.lightning.plan_summary import plan_listing, plan_summary
+
+    runtime = shard_module(models.TinyGPT())
+    assert plan_summary(runtime, "full", 2).splitlines() == [
+        "lightning_shard: sharding='full', 4 units over 2 ranks, 6,888 parameters",
+        "  3 x Block   2,072 parameters each",
+        "  1 x <root>  672 parameters each",
+    ]
+    assert plan_listing(runtime).splitlines()[0] == "  blocks.0: 2,072 parameters"

@@ -10,7 +10,6 @@ that encloses all of them, so it is gathered whenever any of its users runs.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Optional, Union
@@ -65,8 +64,11 @@ def plan_units(
 ) -> list[UnitPlan]:
     """Return the unit plans, innermost first and the root unit last.
 
-    With neither ``units`` nor ``unit_size``, every instance of the outermost module classes that occur
-    more than once and are not ``torch.nn`` built-ins (a transformer's blocks) becomes a unit.
+    With neither ``units`` nor ``unit_size``, every instance of the outermost *blocks* that occur more than
+    once becomes a unit: a transformer's layers, whether their class is the user's, HF's or torch's own
+    (``nn.TransformerEncoderLayer``). A block is a module with parameterised children; leaves such as norms
+    and containers (``nn.Sequential``, ``nn.ModuleList``) are not, so a final norm outside the layers stays
+    in the root unit instead of becoming a tiny unit of its own.
     """
     if units is not None and unit_size is not None:
         raise ValueError("Give either `units` (module classes) or `unit_size` (a parameter budget), not both.")
@@ -96,19 +98,19 @@ def _match_classes(root: nn.Module, specs: Optional[Sequence[UnitSpec]]) -> list
         if spec is not None:
             used.add(spec)
             names.append(name)
-    for spec in specs:
-        if spec not in used:
-            label = spec if isinstance(spec, str) else spec.__qualname__
-            warnings.warn(f"`units` entry {label!r} matches no module of {type(root).__name__}; it is ignored.")
+    unused = [spec if isinstance(spec, str) else spec.__qualname__ for spec in specs if spec not in used]
+    if unused:  # a typo would otherwise train the whole model unsharded
+        present = sorted({type(m).__name__ for m in root.modules() if m is not root and _has_params(m)})
+        raise ValueError(f"`units` entries {unused} match no module of {type(root).__name__}; its classes with"
+                         f" parameters are {present}.")
     return names
 
 
 def _repeated_block_classes(root: nn.Module) -> list[type]:
     counts: dict[type, int] = {}
     for module in root.modules():
-        cls = type(module)
-        if module is not root and not cls.__module__.startswith("torch.") and _has_params(module):
-            counts[cls] = counts.get(cls, 0) + 1
+        if module is not root and _is_block(module):
+            counts[type(module)] = counts.get(type(module), 0) + 1
     repeated = {cls for cls, n in counts.items() if n > 1}
     # keep only the outermost repeated classes: a block's attention is not a unit of its own
     outermost: set = set()
@@ -129,6 +131,10 @@ def _has_params(module: nn.Module) -> bool:
 
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
+def _is_block(module: nn.Module) -> bool:
+    return not isinstance(module, _CONTAINERS) and any(_has_params(c) for c in module.children())
 
 
 def _splittable(module: nn.Module) -> bool:
@@ -212,3 +218,38 @@ def _assign_params(root: nn.Module, member_groups: list[list[str]]) -> list[Unit
 
 def _dedupe(locations: list[tuple[str, str]]) -> list[tuple[str, str]]:
     return list(dict.fromkeys(locations))
+
+
+def root_heavy_warning(root: nn.Module, plans: list[UnitPlan]) -> Optional[str]:
+    """A warning when the root unit holds most of the parameters: they stay gathered for the whole step, so
+    sharding saves little memory. ``None`` when the plan is fine."""
+    root_plan = plans[-1]
+    total = sum(plan.numel() for plan in plans)
+    if total == 0 or root_plan.numel() * 2 <= total:
+        return None
+    largest = sorted(root_plan.params, key=lambda entry: entry[0].numel(), reverse=True)[:3]
+    named = ", ".join(f"{_qualified(*locations[0])} ({param.numel():,})" for param, locations in largest)
+    enclosing = _outermost_block(root, largest[0][1][0][0])
+    example = f", e.g. units={[cls for cls in (enclosing, *_class_names(plans[:-1], root)) if cls]}" if enclosing else ""
+    return (f"lightning_shard: the root unit holds {root_plan.numel() / total:.0%} of {type(root).__name__}'s"
+            f" {total:,} parameters (largest: {named}); they stay gathered on every rank for the whole step, so"
+            f" sharding saves little memory. Cut the model into units with `units=[...]` (module classes or class"
+            f" names{example}) or `unit_size=` (a parameter budget per unit).")
+
+
+def _qualified(module_name: str, attr: str) -> str:
+    return f"{module_name}.{attr}" if module_name else attr
+
+
+def _outermost_block(root: nn.Module, module_name: str) -> Optional[str]:
+    """The class name of the outermost non-container module enclosing ``module_name`` (None: the root itself)."""
+    parts = module_name.split(".") if module_name else []
+    for i in range(1, len(parts) + 1):
+        module = root.get_submodule(".".join(parts[:i]))
+        if not isinstance(module, _CONTAINERS):
+            return type(module).__name__
+    return None
+
+
+def _class_names(plans: list[UnitPlan], root: nn.Module) -> list[str]:
+    return list(dict.fromkeys(type(root.get_submodule(m)).__name__ for plan in plans for m in plan.members))

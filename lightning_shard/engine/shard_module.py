@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Optional
 
@@ -17,7 +18,7 @@ from lightning_shard.engine.activation_checkpointing import (
 from lightning_shard.engine.flat_shard import FlatShard, ParamSlot
 from lightning_shard.engine.hooks import ShardRuntime
 from lightning_shard.engine.materialize import Materializer
-from lightning_shard.engine.plan import UnitPlan, UnitSpec, plan_units
+from lightning_shard.engine.plan import UnitPlan, UnitSpec, plan_units, root_heavy_warning
 from lightning_shard.engine.unit import Unit
 
 SHARDING_MODES = ("full", "grad_op", "none")
@@ -72,6 +73,9 @@ def shard_module(
     plans = plan_units(module, units=units, unit_size=unit_size)
     if world > 1:
         _check_ranks_agree(plans, group)
+    root_heavy = root_heavy_warning(module, plans)
+    if root_heavy and shard_world > 1 and rank == 0:
+        warnings.warn(root_heavy, stacklevel=2)
     materializer = Materializer(module, device or _first_real_device(module))
     built: list[Unit] = []
     root_unit = None

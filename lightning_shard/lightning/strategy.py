@@ -34,7 +34,7 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_debug, rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
@@ -58,6 +58,7 @@ from lightning_shard.engine.hooks import ShardRuntime
 from lightning_shard.engine.optimizers import check_optimizer, validate_elementwise_optimizers
 from lightning_shard.engine.plan import UnitSpec, validate_unit_size, validate_units
 from lightning_shard.engine.shard_module import shard_module, validate_sharding
+from lightning_shard.lightning.plan_summary import plan_listing, plan_summary
 from lightning_shard.lightning.precision import MixedPrecision, ShardPrecision, validate_mixed_precision
 from lightning_shard.memory.estimate import MemoryEstimate, estimate_sharded
 
@@ -255,10 +256,8 @@ class ShardStrategy(ParallelStrategy):
                 activation_checkpointing=self.activation_checkpointing,
                 elide_backward_gathers=self.elide_backward_gathers, broadcast_buffers=self.broadcast_buffers,
             )
-            rank_zero_info(
-                f"lightning_shard: sharding={self.sharding!r}, {len(self.runtime.units)} units over"
-                f" {self.world_size} ranks: {[u.name for u in self.runtime.units]}"
-            )
+            rank_zero_info(plan_summary(self.runtime, self.sharding, self.world_size))
+            rank_zero_debug("lightning_shard units:\n" + plan_listing(self.runtime))
         self.runtime.apply_checks = [partial(_refuse_other_strategies, self.model)]
         self.precision_plugin.runtime = self.runtime
         self.barrier()
