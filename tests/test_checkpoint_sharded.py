@@ -54,10 +54,11 @@ def test_save_on_n_ranks_load_on_m_ranks_under_another_unit_policy(tmp_path, nam
 def test_consolidate_gives_a_plain_checkpoint(tmp_path):
     path = tmp_path / "ckpt"
     saved = run_world(scenarios.save_then_continue, 2, "gpt", BLOCKS, str(path))[0]
-    out = tmp_path / "full.ckpt"
-    proc = subprocess.run([sys.executable, "-m", "lightning_shard.consolidate", str(path), str(out)],
+    out = tmp_path / "ckpt.full.ckpt"  # the default: beside the directory
+    proc = subprocess.run([sys.executable, "-m", "lightning_shard.consolidate", str(path)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+    assert f"load it in one process: YourLightningModule.load_from_checkpoint('{out}')" in proc.stdout
     full = torch.load(out, weights_only=True)
     _assert_same_state(saved["model"], full["state_dict"], "consolidated model")
     plain = TinyGPT()

@@ -20,7 +20,7 @@ def run_app(tmp_path, *args: str) -> dict:
         capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONWARNINGS": "ignore"},
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return torch.load(tmp_path / "results.pt", weights_only=True)
+    return {**torch.load(tmp_path / "results.pt", weights_only=True), "log": proc.stdout + proc.stderr}
 
 
 def assert_matches_ddp(results: dict, name: str) -> None:
@@ -52,18 +52,27 @@ def test_fit_accumulate_norm_clip_resume_match_ddp(tmp_path):
     gathered = [float(r["shard/all_gather_bytes"]) for r in rows if r.get("shard/all_gather_bytes")]
     assert len(gathered) >= 12 and min(gathered) > 0
     assert results["full"]["comm"]["reduce_scatter_bytes"] > 0
-    # the sharded checkpoint (a directory, one file per rank) consolidates into one the plain module loads
-    from lightning_shard.checkpoint.consolidate import consolidate
-
+    # the sharded checkpoint (a directory, one file per rank) consolidates into one file that the plain module's
+    # load_from_checkpoint takes, as the first save's log line and then the command say
+    # once per Trainer, not per save: 3 shardings x (run, first half, resumed)
+    assert results["log"].count("checkpoints are sharded directories") == 9
     assert sorted(p.name for p in (tmp_path / "full" / "last.ckpt").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
-    assert_loads_into_plain_module(consolidate(tmp_path / "full" / "last.ckpt"))
+    proc = subprocess.run([sys.executable, "-m", "lightning_shard.consolidate", str(tmp_path / "full" / "last.ckpt")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    consolidated = tmp_path / "full" / "last.full.ckpt"
+    assert proc.stdout.splitlines()[-1] == f"load it in one process: YourLightningModule.load_from_checkpoint('{consolidated}')"
+    assert_loads_into_plain_module(consolidated, results["full"]["state"])
 
 
-def assert_loads_into_plain_module(ckpt: dict) -> None:
+def assert_loads_into_plain_module(path, expected_state: dict) -> None:
     sys.path.insert(0, os.path.dirname(APP))
     from tests.lightning_app import LitGPT
 
-    LitGPT().load_state_dict(ckpt["state_dict"])
+    plain = LitGPT.load_from_checkpoint(path)  # the first thing a user does after training
+    for key, value in plain.state_dict().items():  # last.ckpt: the end of training
+        torch.testing.assert_close(value, expected_state[key], rtol=0, atol=0, msg=lambda m: f"{key}: {m}")
+    ckpt = torch.load(path, weights_only=True)
     assert ckpt["optimizer_states"][0]["state"][0]["exp_avg"].shape == ckpt["state_dict"]["model.wpe"].shape
 
 
@@ -84,7 +93,7 @@ def test_manual_optimization_and_full_checkpoints(tmp_path):
         resumed = results[f"{sharding}_resumed"]["losses"]
         torch.testing.assert_close(torch.tensor(resumed), torch.tensor(results[sharding]["losses"]), rtol=1e-6, atol=1e-7)
     # one ordinary file, loadable into the plain (unsharded) module with weights_only=True
-    assert_loads_into_plain_module(torch.load(tmp_path / "full" / "last.ckpt", weights_only=True))
+    assert_loads_into_plain_module(tmp_path / "full" / "last.ckpt", results["full"]["state"])
 
 
 def test_world_size_one_matches_ddp(tmp_path):

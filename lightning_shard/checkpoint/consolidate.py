@@ -1,6 +1,6 @@
 """Turn a sharded checkpoint directory into one ordinary Lightning checkpoint file.
 
-    python -m lightning_shard.consolidate CKPT_DIR OUT.pt
+    python -m lightning_shard.consolidate CKPT_DIR [OUT.ckpt]
 
 The result is what ``state_dict_type="full"`` would have written: ``state_dict`` loads into the plain
 LightningModule (``load_state_dict`` or ``load_from_checkpoint``), ``optimizer_states`` are ordinary
@@ -100,17 +100,26 @@ def _full_optimizer_state(tensors: dict[str, torch.Tensor], prefix: str, saved: 
     return {"state": dict(sorted(state.items())), "param_groups": groups}
 
 
+def default_out(directory: Union[str, Path]) -> Path:
+    """``epoch=1-step=24.ckpt`` (a directory) -> ``epoch=1-step=24.full.ckpt`` beside it."""
+    directory = Path(directory)
+    return directory.with_name(f"{directory.stem if directory.suffix == '.ckpt' else directory.name}.full.ckpt")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lightning_shard.consolidate", description=__doc__.split("\n")[0])
     parser.add_argument("checkpoint_dir", help="a sharded checkpoint directory written by lightning_shard")
-    parser.add_argument("out", help="the full checkpoint file to write")
+    parser.add_argument("out", nargs="?", help="the full checkpoint file to write (default: beside the directory,"
+                                               " NAME.full.ckpt)")
     args = parser.parse_args(argv)
+    out = Path(args.out) if args.out else default_out(args.checkpoint_dir)
     try:
-        checkpoint = consolidate(args.checkpoint_dir, args.out)
+        checkpoint = consolidate(args.checkpoint_dir, out)
     except (files.CheckpointError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
-        return 1
+        return 2
     n = sum(v.numel() for v in checkpoint["state_dict"].values())
-    print(f"wrote {args.out}: {len(checkpoint['state_dict'])} tensors, {n:,} elements,"
+    print(f"wrote {out}: {len(checkpoint['state_dict'])} tensors, {n:,} elements,"
           f" {len(checkpoint['optimizer_states'])} optimizer state(s)")
+    print(f"load it in one process: YourLightningModule.load_from_checkpoint({str(out)!r})")
     return 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import atexit
 import inspect
 import os
+import shlex
 import weakref
 from collections.abc import Generator, Iterable, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
@@ -158,6 +159,7 @@ class ShardStrategy(ParallelStrategy):
             raise ValueError(f"`nonfinite` must be None, 'skip' or 'error'; got {nonfinite!r}.")
         self.nonfinite = nonfinite
         self.state_dict_type = validate_state_dict_type(state_dict_type)
+        self._told_how_to_load = False
         self.elementwise_optimizers = validate_elementwise_optimizers(elementwise_optimizers)
         if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
             timeout = timedelta(seconds=timeout)
@@ -423,6 +425,12 @@ class ShardStrategy(ParallelStrategy):
             if storage_options is not None:
                 raise TypeError("`storage_options` is not supported with state_dict_type='sharded'.")
             save_sharded(checkpoint, path, group=None)
+            if not self._told_how_to_load:
+                self._told_how_to_load = True
+                rank_zero_info(f"lightning_shard: checkpoints are sharded directories (one file per rank, resumable"
+                               f" on any number of ranks). For one process: `python -m lightning_shard.consolidate"
+                               f" {shlex.quote(str(path))}`, then `YourLightningModule.load_from_checkpoint(...)` on"
+                               f" the file it writes; or `ShardStrategy(state_dict_type='full')`.")
         elif self.is_global_zero:
             save_full(checkpoint, path, self.checkpoint_io, storage_options)
 
