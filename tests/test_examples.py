@@ -46,5 +46,5 @@ def test_minilm_sentiment_experiment_runs_and_reports_baseline(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-5000:]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["units"] == 7  # six BertLayer units and the root
+    assert summary["units"] == 8  # the embeddings, six BertLayer units and the root
     assert 0.0 <= summary["test_acc"] <= 1.0 and 0.4 < summary["test_majority_baseline"] < 0.5
