@@ -14,16 +14,20 @@ def _kind(unit: Unit) -> str:
     return " + ".join(type(m).__name__ for m in unit.members)
 
 
+def _numel(unit: Unit) -> int:
+    return sum(slot.numel for slot in unit.storage.slots)
+
+
 def _millions(numel: int) -> str:
     return f"{numel / 1e6:.2f}M" if numel >= 10_000 else f"{numel:,}"
 
 
 def plan_summary(runtime: ShardRuntime, sharding: str, world_size: int) -> str:
     units = runtime.units
-    total = sum(sum(s.numel for s in u.storage.slots) for u in units)
+    total = sum(_numel(u) for u in units)
     kinds: dict[str, list[int]] = {}
     for unit in units:
-        kinds.setdefault(_kind(unit), []).append(sum(s.numel for s in unit.storage.slots))
+        kinds.setdefault(_kind(unit), []).append(_numel(unit))
     rows = [(f"{len(sizes)} x {kind}", _millions(min(sizes)) if min(sizes) == max(sizes)
              else f"{_millions(min(sizes))} - {_millions(max(sizes))}") for kind, sizes in kinds.items()]
     width = max(len(name) for name, _ in rows)
@@ -34,4 +38,4 @@ def plan_summary(runtime: ShardRuntime, sharding: str, world_size: int) -> str:
 
 
 def plan_listing(runtime: ShardRuntime) -> str:
-    return "\n".join(f"  {u.name}: {sum(s.numel for s in u.storage.slots):,} parameters" for u in runtime.units)
+    return "\n".join(f"  {u.name}: {_numel(u):,} parameters" for u in runtime.units)
