@@ -229,7 +229,8 @@ def root_heavy_warning(root: nn.Module, plans: list[UnitPlan]) -> Optional[str]:
         return None
     largest = sorted(root_plan.params, key=lambda entry: entry[0].numel(), reverse=True)[:3]
     named = ", ".join(f"{_qualified(*locations[0])} ({param.numel():,})" for param, locations in largest)
-    enclosing = _outermost_block(root, largest[0][1][0][0])
+    members = [m for plan in plans[:-1] for m in plan.members]
+    enclosing = _outermost_free_module(root, largest[0][1][0][0], members)
     example = f", e.g. units={[cls for cls in (enclosing, *_class_names(plans[:-1], root)) if cls]}" if enclosing else ""
     return (f"lightning_shard: the root unit holds {root_plan.numel() / total:.0%} of {type(root).__name__}'s"
             f" {total:,} parameters (largest: {named}); they stay gathered on every rank for the whole step, so"
@@ -241,12 +242,15 @@ def _qualified(module_name: str, attr: str) -> str:
     return f"{module_name}.{attr}" if module_name else attr
 
 
-def _outermost_block(root: nn.Module, module_name: str) -> Optional[str]:
-    """The class name of the outermost non-container module enclosing ``module_name`` (None: the root itself)."""
+def _outermost_free_module(root: nn.Module, module_name: str, unit_members: list[str]) -> Optional[str]:
+    """The class name of the outermost module enclosing ``module_name`` that is no container and holds no unit
+    (making it a unit takes the parameter out of the root without swallowing the others); None if there is none."""
     parts = module_name.split(".") if module_name else []
     for i in range(1, len(parts) + 1):
-        module = root.get_submodule(".".join(parts[:i]))
-        if not isinstance(module, _CONTAINERS):
+        name = ".".join(parts[:i])
+        module = root.get_submodule(name)
+        holds_unit = any(m == name or m.startswith(name + ".") for m in unit_members)
+        if not isinstance(module, _CONTAINERS) and not holds_unit:
             return type(module).__name__
     return None
 
