@@ -145,3 +145,16 @@ def test_plan_is_reported_as_a_count_and_a_table_by_kind():
         "  1 x <root>  672 parameters each",
     ]
     assert plan_listing(runtime).splitlines()[0] == "  blocks.0: 2,072 parameters"
+
+
+def test_root_heavy_warning_suggests_units_that_take_the_largest_root_parameter_out():
+    from lightning.pytorch.demos import LightningTransformer
+
+    from lightning_shard.engine.plan import root_heavy_warning
+
+    model = LightningTransformer()  # Lightning's docs example: embedding and decoder are 91% of it
+    message = root_heavy_warning(model, plan_units(model))
+    assert "holds 91% of LightningTransformer's 14,635,678 parameters (largest: model.embedding.weight" in message
+    # Embedding: the outermost module around the embedding that holds no unit (not the whole Transformer)
+    assert "e.g. units=['Embedding', 'TransformerEncoderLayer', 'TransformerDecoderLayer']" in message
+    assert root_heavy_warning(models.TinyGPT(), plan_units(models.TinyGPT())) is None
