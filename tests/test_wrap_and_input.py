@@ -158,3 +158,14 @@ def test_root_heavy_warning_suggests_units_that_take_the_largest_root_parameter_
     # Embedding: the outermost module around the embedding that holds no unit (not the whole Transformer)
     assert "e.g. units=['Embedding', 'TransformerEncoderLayer', 'TransformerDecoderLayer']" in message
     assert root_heavy_warning(models.TinyGPT(), plan_units(models.TinyGPT())) is None
+
+
+def test_default_plan_takes_the_blocks_an_hf_model_declares():
+    transformers = pytest.importorskip("transformers")
+    t5 = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        num_layers=2, num_decoder_layers=2, d_model=16, d_ff=32, num_heads=2, d_kv=8, vocab_size=64))
+    # T5Block (its _no_split_modules), not the encoder and decoder stacks, the outermost repeated blocks
+    assert unit_names(t5) == [f"{part}.block.{i}" for part in ("encoder", "decoder") for i in range(2)] + ["<root>"]
+    bert = transformers.BertForSequenceClassification(transformers.BertConfig(
+        num_hidden_layers=2, hidden_size=16, intermediate_size=32, num_attention_heads=2, vocab_size=64))
+    assert unit_names(bert) == ["bert.embeddings", "bert.encoder.layer.0", "bert.encoder.layer.1", "<root>"]

@@ -64,11 +64,11 @@ def plan_units(
 ) -> list[UnitPlan]:
     """Return the unit plans, innermost first and the root unit last.
 
-    With neither ``units`` nor ``unit_size``, every instance of the outermost *blocks* that occur more than
-    once becomes a unit: a transformer's layers, whether their class is the user's, HF's or torch's own
-    (``nn.TransformerEncoderLayer``). A block is a module with parameterised children; leaves such as norms
-    and containers (``nn.Sequential``, ``nn.ModuleList``) are not, so a final norm outside the layers stays
-    in the root unit instead of becoming a tiny unit of its own.
+    With neither ``units`` nor ``unit_size``: the blocks an HF model declares (``_no_split_modules``), else
+    every instance of the outermost *blocks* that occur more than once: a transformer's layers, whether their
+    class is the user's or torch's own (``nn.TransformerEncoderLayer``). A block is a module with
+    parameterised children; leaves such as norms and containers (``nn.Sequential``, ``nn.ModuleList``) are
+    not, so a final norm outside the layers stays in the root unit instead of becoming a tiny unit of its own.
     """
     if units is not None and unit_size is not None:
         raise ValueError("Give either `units` (module classes) or `unit_size` (a parameter budget), not both.")
@@ -90,7 +90,7 @@ def class_matches(module: nn.Module, specs: Sequence[UnitSpec]) -> Optional[Unit
 
 def _match_classes(root: nn.Module, specs: Optional[Sequence[UnitSpec]]) -> list[str]:
     if specs is None:
-        specs = _repeated_block_classes(root)
+        specs = _declared_blocks(root) or _repeated_block_classes(root)
     used: set = set()
     names = []
     for name, module in root.named_modules():
@@ -104,6 +104,14 @@ def _match_classes(root: nn.Module, specs: Optional[Sequence[UnitSpec]]) -> list
         raise ValueError(f"`units` entries {unused} match no module of {type(root).__name__}; its classes with"
                          f" parameters are {present}.")
     return names
+
+
+def _declared_blocks(root: nn.Module) -> list[str]:
+    """The blocks an HF transformers model declares it must not be split within (``_no_split_modules``, what
+    accelerate's FSDP auto-wrap uses), those present in the tree: T5's ``T5Block`` rather than its two stacks."""
+    declared = {name for m in root.modules() for name in (getattr(m, "_no_split_modules", None) or ())}
+    present = {type(m).__name__ for m in root.modules() if m is not root and _has_params(m)}
+    return sorted(declared & present)
 
 
 def _repeated_block_classes(root: nn.Module) -> list[type]:
