@@ -1,4 +1,5 @@
-"""The public commands keep their names after the move into layers, and run from any directory."""
+"""The public commands keep their names after the move into layers, run from any directory, answer --help, and
+say bad input in one line on stderr with exit status 2."""
 
 from __future__ import annotations
 
@@ -18,11 +19,29 @@ def run(cwd, *args: str) -> subprocess.CompletedProcess:
     return proc
 
 
-@pytest.mark.parametrize("command", ["lightning_shard.consolidate", "lightning_shard.bench"])
+COMMANDS = ["lightning_shard.train", "lightning_shard.estimate", "lightning_shard.consolidate", "lightning_shard.bench",
+            "lightning_shard.app.sweep"]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
 def test_help(tmp_path, command):
     proc = run(tmp_path, command, "--help")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "usage:" in proc.stdout
+    assert "usage:" in proc.stdout or "powered by Hydra" in proc.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command, args, message", [
+    ("lightning_shard.estimate", ["strategy.sharding=zero9"], "`sharding` must be one of 'full', 'grad_op', 'none'"),
+    ("lightning_shard.consolidate", ["no_such.ckpt"], "does not exist"),
+    ("lightning_shard.bench", ["--world", "0"], "argument --world: must be an integer >= 1; got '0'"),
+    ("lightning_shard.app.sweep", ["no_such_dir"], "no job of 'no_such_dir' wrote a summary.json"),
+])
+def test_bad_input_is_one_line_and_exit_status_2(tmp_path, command, args, message):
+    """(The training command's bad overrides: tests/test_train_hydra.py.) All fail before any rank starts."""
+    proc = run(tmp_path, command, *args)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert len(proc.stderr.splitlines()) == 1 and message in proc.stderr, proc.stderr[-3000:]
 
 
 def test_estimate_reads_the_packaged_configs(tmp_path):

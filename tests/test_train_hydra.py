@@ -17,22 +17,36 @@ TINY = ["model.model.width=32", "model.model.depth=2", "data.seq_len=32", "data.
         "trainer.limit_test_batches=2", "callbacks.run_summary.warmup_steps=1"]
 
 
-def train(cwd, *overrides: str) -> subprocess.CompletedProcess:
+def train(cwd, *overrides: str, warnings: str = "ignore") -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "lightning_shard.train", *overrides], cwd=cwd,
                           capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONWARNINGS": "ignore", "HYDRA_FULL_ERROR": "0"})
+                          env={**os.environ, "PYTHONWARNINGS": warnings, "HYDRA_FULL_ERROR": "0"})
 
 
 def test_run_writes_logs_checkpoints_and_summary_into_one_dir(tmp_path):
     run_dir = tmp_path / "run"
-    proc = train(tmp_path, *TINY, f"hydra.run.dir={run_dir}")
+    proc = train(tmp_path, *TINY, f"hydra.run.dir={run_dir}", warnings="default")
     assert proc.returncode == 0, proc.stderr[-5000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["sharding"] == "full" and summary["world_size"] == 2 and summary["steps"] == 6
     assert summary["units"] == 3 and summary["final_val_loss"] > 0
+    assert summary["q1_step_s"] <= summary["median_step_s"] <= summary["q3_step_s"]
     assert (run_dir / "checkpoints" / "last.ckpt").exists()
     assert list((run_dir / "csv").glob("*/metrics.csv"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # nothing stray
+
+    # the run ends with its report, printed once (by the parent of the spawned ranks)
+    report = proc.stdout[proc.stdout.index("done: "):].splitlines()
+    assert proc.stdout.count("done: ") == 1
+    assert report[0] == "done: 6 steps on 2 rank(s), full sharding, 32-true"
+    assert f"test_loss {summary['test_loss']:.4g}" in report[1] and "val_loss" in report[1]
+    assert report[2] == f"  median step {summary['median_step_s']:.3f} s"
+    assert report[3].startswith("  memory per rank: ") and "estimated" in report[3]
+    assert report[4] == "  outputs: run/  summary.json, checkpoints/last.ckpt, csv/version_0/metrics.csv"
+    assert len(report) == 5
+
+    # Lightning's deprecation warnings about its own code and its advertisements are filtered, in the ranks too
+    assert "LeafSpec" not in proc.stderr and "Tip:" not in proc.stderr
 
 
 def test_overrides_from_the_command_line(tmp_path):
@@ -52,8 +66,9 @@ def test_overrides_from_the_command_line(tmp_path):
 ])
 def test_bad_override_fails_before_any_rank_starts(tmp_path, override, message):
     proc = train(tmp_path, *TINY, override, f"hydra.run.dir={tmp_path / 'run'}")
-    assert proc.returncode != 0
-    assert message in proc.stderr + proc.stdout
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("python -m lightning_shard.train: error: ") and message in proc.stderr
+    assert len(proc.stderr.splitlines()) == 1, proc.stderr  # no traceback, no Hydra hints
     assert "Initializing distributed" not in proc.stderr + proc.stdout
 
 

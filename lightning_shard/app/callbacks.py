@@ -54,6 +54,9 @@ class RunSummary(L.Callback):
             "precision": trainer.precision,
             "steps": trainer.global_step,
             "median_step_s": statistics.median(timed) if timed else None,
+            # the spread, for the sweep plot: a difference between medians smaller than this is noise
+            "q1_step_s": _quartiles(timed)[0],
+            "q3_step_s": _quartiles(timed)[1],
             "model_state_mb_per_rank": model_state_bytes(pl_module, trainer.optimizers) / 2**20,
             # estimated at setup, activations excluded (python -m lightning_shard.estimate includes them)
             "estimated_mb_per_rank": estimate.peak / 2**20 if estimate is not None else None,
@@ -70,7 +73,7 @@ class RunSummary(L.Callback):
 
     def on_test_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Add the test metrics (and, where the data offers one, the majority-class baseline)."""
-        if not os.path.exists(self.path):
+        if not trainer.is_global_zero or not os.path.exists(self.path):  # other ranks read it while rank 0 wrote
             return
         with open(self.path) as f:
             summary = json.load(f)
@@ -83,8 +86,17 @@ class RunSummary(L.Callback):
     def _write(self, trainer: L.Trainer, summary: dict) -> None:
         if trainer.is_global_zero:
             os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-            with open(self.path, "w") as f:
+            partial = self.path + ".partial"  # renamed when complete: a reader never sees half a file
+            with open(partial, "w") as f:
                 json.dump(summary, f, indent=2)
+            os.replace(partial, self.path)
+
+
+def _quartiles(times: list[float]) -> tuple[Optional[float], Optional[float]]:
+    if len(times) < 2:
+        return (times[0], times[0]) if times else (None, None)
+    q1, _, q3 = statistics.quantiles(times, n=4)
+    return q1, q3
 
 
 def _metric(trainer: L.Trainer, name: str) -> Optional[float]:
@@ -93,7 +105,13 @@ def _metric(trainer: L.Trainer, name: str) -> Optional[float]:
 
 
 class PrintProgress(L.Callback):
-    """Prints the training loss every ``every`` steps and each validation loss (rank 0 only)."""
+    """Prints the training loss every ``every`` steps and each validation loss (rank 0 only).
+
+    Ours, not Lightning's progress bar (tqdm or rich), which does draw from a spawned rank 0: the bar keeps
+    only its last state where output is not a terminal (a log file, CI, a sweep), so the loss history is
+    lost; validation metrics and the bytes moved per step are not in it; and it counts epochs in a run
+    measured in steps ("Epoch 0/-2").
+    """
 
     def __init__(self, every: int = 10) -> None:
         self.every = every

@@ -10,6 +10,8 @@ import torch
 
 from lightning_shard.memory.estimate import MemoryEstimate, estimate_memory
 
+PROG = "python -m lightning_shard.estimate"
+
 
 def estimate_config(cfg: Any) -> tuple[MemoryEstimate, int]:
     """The estimate for a composed training config (``conf/``): its model, one batch of its data, its strategy,
@@ -41,19 +43,28 @@ def estimate_config(cfg: Any) -> tuple[MemoryEstimate, int]:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """``python -m lightning_shard.estimate [Hydra overrides]``: per-rank peak for the training config."""
-    import sys
     import warnings
 
     from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
 
-    from lightning_shard.app.train import CONF_DIR
+    from lightning_shard.app import cli
+    from lightning_shard.app.train import CONF_DIR, check_options
 
-    overrides = list(sys.argv[1:] if argv is None else argv)
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+    parser = cli.ArgumentParser(prog=PROG, description="One rank's memory peak for a training config (its model,"
+                                " one batch of its data, its strategy, precision and world size), before anything"
+                                " is allocated.")
+    parser.add_argument("overrides", nargs="*", metavar="OVERRIDE",
+                        help="as for python -m lightning_shard.train (its --help lists the config groups),"
+                             " e.g. strategy=grad_op trainer.devices=4 precision=bf16-mixed")
+    overrides = parser.parse_args(argv).overrides
+    with cli.bad_input(PROG, HydraException, OmegaConfBaseException), \
+            initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = compose(config_name="config", overrides=overrides)
+    check_options(cfg, PROG)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # self.log() without a Trainer, in the model's training_step
         estimate, world = estimate_config(cfg)
     print(f"lightning_shard memory estimate per rank ({world} ranks, {' '.join(overrides) or 'defaults'}):")
     print(estimate.table())
-

@@ -1,5 +1,6 @@
 """Training entry point: compose the Hydra config, then build data, model, strategy and Trainer, fit
-and test, writing logs, checkpoints and summary.json into the job's Hydra output dir.
+and test, writing logs, checkpoints and summary.json into the job's Hydra output dir; a few lines at the end
+say how it went and where these are.
 
     python -m lightning_shard.train strategy=grad_op strategy.unit_size=2000000 trainer.devices=2 precision=bf16-mixed
     python -m lightning_shard.train -m strategy.unit_size=200000,400000,800000
@@ -11,7 +12,6 @@ whole sweep with stray output dirs (lightning-hydra-template#393); spawned ranks
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 from typing import Any, Optional
@@ -20,10 +20,17 @@ import hydra
 import torch
 import torch.multiprocessing as mp
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
+from lightning_shard.app import cli, report
+from lightning_shard.app.quiet import quiet
 from lightning_shard.lightning.precision import SUPPORTED_PRECISION
+
+PROG = "python -m lightning_shard.train"
 
 CONF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf")  # inside the package: found by any install
 
@@ -53,7 +60,7 @@ def run(cfg: DictConfig) -> Optional[float]:
     data, module, trainer = build(cfg)
     trainer.fit(module, data, ckpt_path=cfg.get("ckpt_path"))
     if cfg.get("test"):
-        trainer.test(module, data, verbose=False)
+        trainer.test(module, data, verbose=False)  # the final report shows the test metrics, once
     value = trainer.callback_metrics.get("val_loss")
     return float(value) if value is not None else None
 
@@ -61,6 +68,7 @@ def run(cfg: DictConfig) -> Optional[float]:
 def _rank_main(local_rank: int, world: int, port: int, resolved: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), NODE_RANK="0",
                       LOCAL_RANK=str(local_rank), RANK=str(local_rank))
+    quiet()  # a spawned process starts with fresh warning filters
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     run(OmegaConf.create(resolved))
 
@@ -75,26 +83,37 @@ def _local_world_size(trainer_cfg: DictConfig) -> int:
     return int(devices) if isinstance(devices, int) else 1
 
 
-def _check_before_launch(cfg: DictConfig) -> None:
-    """Bad values fail here, with the option's own message, before any rank starts."""
-    instantiate(cfg.strategy)
+def check_options(cfg: DictConfig, prog: str) -> None:
+    """Bad strategy or precision values fail here, in one line with the option's own message, before any rank
+    starts (or anything is estimated)."""
+    with cli.bad_input(prog, InstantiationException):
+        instantiate(cfg.strategy)
     if cfg.precision not in SUPPORTED_PRECISION:
-        raise ValueError(f"`precision` must be one of {', '.join(SUPPORTED_PRECISION)}; got {cfg.precision!r}.")
+        cli.fail(prog, f"`precision` must be one of {', '.join(SUPPORTED_PRECISION)}; got {cfg.precision!r}.")
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
-def main(cfg: DictConfig) -> Optional[float]:
-    _check_before_launch(cfg)
-    resolved = OmegaConf.to_container(cfg, resolve=True)  # ranks have no Hydra context to resolve ${hydra:...}
+def _job(cfg: DictConfig) -> Optional[float]:
+    """One run, or one job of a ``-m`` sweep; returns its validation loss (what a Hydra sweeper minimises)."""
+    with cli.bad_input(PROG, OmegaConfBaseException):
+        resolved = OmegaConf.to_container(cfg, resolve=True)  # ranks have no Hydra context for ${hydra:...}
+    check_options(cfg, PROG)
+    output_dir = HydraConfig.get().runtime.output_dir
     world = _local_world_size(cfg.trainer)
     if world > 1:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         mp.start_processes(_rank_main, args=(world, port, resolved), nprocs=world, start_method="spawn")
-        summary = os.path.join(HydraConfig.get().runtime.output_dir, "summary.json")
-        if os.path.exists(summary):
-            with open(summary) as f:
-                return json.load(f).get("final_val_loss")
-        return None
-    return run(OmegaConf.create(resolved))
+        value = report.read_summary(output_dir).get("final_val_loss")
+    else:
+        value = run(OmegaConf.create(resolved))
+    if rank_zero_only.rank == 0:  # the parent of spawned ranks, or global rank 0 under torchrun / SLURM
+        print(report.final_report(output_dir), flush=True)
+    return value
+
+
+def main() -> Optional[float]:
+    """The command: Hydra's app, bad input in one line (exit status 2), third-party noise filtered."""
+    quiet()
+    return cli.run_hydra(PROG, _job)

@@ -25,6 +25,7 @@ import torch.multiprocessing as mp
 from torch.utils.data import DataLoader
 
 from lightning_shard.app.callbacks import model_state_bytes
+from lightning_shard.app.cli import ArgumentParser, at_least
 from lightning_shard.app.models.gpt import GPT
 from lightning_shard.app.models.lit_lm import LitLanguageModel
 
@@ -165,19 +166,22 @@ def _table(results: dict, args, params: int) -> str:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--world", type=int, default=2)
+    parser = ArgumentParser(prog="python -m lightning_shard.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world", type=at_least(1), default=2)
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--depth", type=int, default=6)
-    parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=12000)
+    parser.add_argument("--rounds", type=at_least(1), default=3)
+    parser.add_argument("--steps", type=at_least(1), default=4)
+    parser.add_argument("--warmup", type=at_least(0), default=2)
+    parser.add_argument("--depth", type=at_least(1), default=6)
+    parser.add_argument("--width", type=at_least(1), default=512)
+    parser.add_argument("--heads", type=at_least(1), default=8)
+    parser.add_argument("--seq", type=at_least(1), default=128)
+    parser.add_argument("--batch", type=at_least(1), default=8)
+    parser.add_argument("--vocab", type=at_least(1), default=12000)
     args = parser.parse_args(argv)
+    if args.width % args.heads:  # said here, not in a traceback from every rank
+        parser.error(f"--width {args.width} is not a multiple of --heads {args.heads}")
     params = sum(p.numel() for p in GPT(args.vocab, args.width, args.depth, args.heads, args.seq).parameters())
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "results.pkl")
