@@ -1,9 +1,9 @@
-"""``python -m lightning_shard.consolidate CKPT_DIR OUT``: one full checkpoint file from a sharded one
-(``lightning_shard.checkpoint.consolidate``)."""
+"""``python -m lightning_shard.consolidate CKPT_DIR [OUT.ckpt]``: one full checkpoint file from a sharded one
+(``lightning_shard.app.consolidate``)."""
 
 import sys
 
-from lightning_shard.checkpoint.consolidate import main
+from lightning_shard.app.consolidate import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -34,6 +34,7 @@ def test_help(tmp_path, command):
 @pytest.mark.parametrize("command, args, message", [
     ("lightning_shard.estimate", ["strategy.sharding=zero9"], "`sharding` must be one of 'full', 'grad_op', 'none'"),
     ("lightning_shard.consolidate", ["no_such.ckpt"], "does not exist"),
+    ("lightning_shard.consolidate", [], "the following arguments are required: checkpoint_dir (see --help)"),
     ("lightning_shard.bench", ["--world", "0"], "argument --world: must be an integer >= 1; got '0'"),
     ("lightning_shard.app.sweep", ["no_such_dir"], "no job of 'no_such_dir' wrote a summary.json"),
 ])

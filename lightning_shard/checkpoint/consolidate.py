@@ -13,8 +13,6 @@ Lightning checkpoint needs ordinary optimizer states and ``meta.pt`` put back to
 
 from __future__ import annotations
 
-import argparse
-import sys
 import warnings
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -104,22 +102,3 @@ def default_out(directory: Union[str, Path]) -> Path:
     """``epoch=1-step=24.ckpt`` (a directory) -> ``epoch=1-step=24.full.ckpt`` beside it."""
     directory = Path(directory)
     return directory.with_name(f"{directory.stem if directory.suffix == '.ckpt' else directory.name}.full.ckpt")
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lightning_shard.consolidate", description=__doc__.split("\n")[0])
-    parser.add_argument("checkpoint_dir", help="a sharded checkpoint directory written by lightning_shard")
-    parser.add_argument("out", nargs="?", help="the full checkpoint file to write (default: beside the directory,"
-                                               " NAME.full.ckpt)")
-    args = parser.parse_args(argv)
-    out = Path(args.out) if args.out else default_out(args.checkpoint_dir)
-    try:
-        checkpoint = consolidate(args.checkpoint_dir, out)
-    except (files.CheckpointError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    n = sum(v.numel() for v in checkpoint["state_dict"].values())
-    print(f"wrote {out}: {len(checkpoint['state_dict'])} tensors, {n:,} elements,"
-          f" {len(checkpoint['optimizer_states'])} optimizer state(s)")
-    print(f"load it in one process: YourLightningModule.load_from_checkpoint({str(out)!r})")
-    return 0
