@@ -130,7 +130,7 @@ def test_default_plan_on_real_models_gives_one_unit_per_layer_and_trains_exactly
     # the root-heavy plan is named loudly, once (rank 0), with the fix
     (message,) = results[0]["root_heavy"]
     assert "root unit holds 100% of Sequential's 288 parameters (largest: 0.weight (64)," in message
-    assert "`units=[...]` (module classes or class names, e.g. units=['Linear'])" in message
+    assert "E.g. `units=['Linear']` leaves 0% in the root; 'Linear' matches 0, 1, 2, 3" in message
     assert "`unit_size=`" in message
     assert results[1]["root_heavy"] == []
 
@@ -142,9 +142,15 @@ def test_plan_is_reported_as_a_count_and_a_table_by_kind():
     assert plan_summary(runtime, "full", 2).splitlines() == [
         "lightning_shard: sharding='full', 4 units over 2 ranks, 6,888 parameters",
         "  3 x Block   2,072 parameters each",
-        "  1 x <root>  672 parameters each",
+        "  1 x <root>  672 parameters",
     ]
     assert plan_listing(runtime).splitlines()[0] == "  blocks.0: 2,072 parameters"
+    from lightning_shard.app.models.gpt import GPT
+
+    packed = shard_module(GPT(vocab_size=100, width=128, depth=4, heads=4), unit_size=140000)
+    assert plan_summary(packed, "full", 2).splitlines()[1:3] == [  # unit_size packs siblings: one kind each
+        "  1 x [2 Embedding]                        0.02M parameters",
+        "  4 x [2 LayerNorm + CausalSelfAttention]  0.07M parameters each"]
 
 
 def test_root_heavy_warning_suggests_units_that_take_the_largest_root_parameter_out():
@@ -156,8 +162,16 @@ def test_root_heavy_warning_suggests_units_that_take_the_largest_root_parameter_
     message = root_heavy_warning(model, plan_units(model))
     assert "holds 91% of LightningTransformer's 14,635,678 parameters (largest: model.embedding.weight" in message
     # Embedding: the outermost module around the embedding that holds no unit (not the whole Transformer)
-    assert "e.g. units=['Embedding', 'TransformerEncoderLayer', 'TransformerDecoderLayer']" in message
+    assert ("E.g. `units=['Embedding', 'TransformerEncoderLayer', 'TransformerDecoderLayer']` leaves 46% in the"
+            " root; 'Embedding' matches model.embedding, and") in message
     assert root_heavy_warning(models.TinyGPT(), plan_units(models.TinyGPT())) is None
+    # a tied embedding stays in the root whatever the units: no advice that would not help
+    from lightning_shard.app.models.gpt import GPT
+
+    gpt = GPT(vocab_size=5000, width=64, depth=2, heads=2)
+    message = root_heavy_warning(gpt, plan_units(gpt))
+    assert message.endswith("The largest is one parameter tied between ['wte', 'head']: it stays in the root unit"
+                            " whatever the plan (untie it to shard it).")
 
 
 def test_default_plan_takes_the_blocks_an_hf_model_declares():
@@ -168,4 +182,8 @@ def test_default_plan_takes_the_blocks_an_hf_model_declares():
     assert unit_names(t5) == [f"{part}.block.{i}" for part in ("encoder", "decoder") for i in range(2)] + ["<root>"]
     bert = transformers.BertForSequenceClassification(transformers.BertConfig(
         num_hidden_layers=2, hidden_size=16, intermediate_size=32, num_attention_heads=2, vocab_size=64))
-    assert unit_names(bert) == ["bert.embeddings", "bert.encoder.layer.0", "bert.encoder.layer.1", "<root>"]
+    bert_units = ["bert.embeddings", "bert.encoder.layer.0", "bert.encoder.layer.1"]
+    assert unit_names(bert) == bert_units + ["<root>"]
+    # an HF model beside the user's own blocks: each part gets its blocks
+    combined = nn.ModuleDict({"bert": bert, "head": nn.TransformerDecoder(nn.TransformerDecoderLayer(16, 2, 32), 2)})
+    assert unit_names(combined) == [f"bert.{u}" for u in bert_units] + ["head.layers.0", "head.layers.1", "<root>"]

@@ -64,8 +64,8 @@ def plan_units(
 ) -> list[UnitPlan]:
     """Return the unit plans, innermost first and the root unit last.
 
-    With neither ``units`` nor ``unit_size``: the blocks an HF model declares (``_no_split_modules``), else
-    every instance of the outermost *blocks* that occur more than once: a transformer's layers, whether their
+    With neither ``units`` nor ``unit_size``: inside an HF model the blocks it declares (``_no_split_modules``),
+    elsewhere the outermost *blocks* whose class occurs more than once: a transformer's layers, whether their
     class is the user's or torch's own (``nn.TransformerEncoderLayer``). A block is a module with
     parameterised children; leaves such as norms and containers (``nn.Sequential``, ``nn.ModuleList``) are
     not, so a final norm outside the layers stays in the root unit instead of becoming a tiny unit of its own.
@@ -90,7 +90,7 @@ def class_matches(module: nn.Module, specs: Sequence[UnitSpec]) -> Optional[Unit
 
 def _match_classes(root: nn.Module, specs: Optional[Sequence[UnitSpec]]) -> list[str]:
     if specs is None:
-        specs = _declared_blocks(root) or _repeated_block_classes(root)
+        return _default_members(root)
     used: set = set()
     names = []
     for name, module in root.named_modules():
@@ -106,32 +106,46 @@ def _match_classes(root: nn.Module, specs: Optional[Sequence[UnitSpec]]) -> list
     return names
 
 
-def _declared_blocks(root: nn.Module) -> list[str]:
-    """The blocks an HF transformers model declares it must not be split within (``_no_split_modules``, what
-    accelerate's FSDP auto-wrap uses), those present in the tree: T5's ``T5Block`` rather than its two stacks."""
-    declared = {name for m in root.modules() for name in (getattr(m, "_no_split_modules", None) or ())}
-    present = {type(m).__name__ for m in root.modules() if m is not root and _has_params(m)}
-    return sorted(declared & present)
+def _declares_blocks(module: nn.Module) -> bool:
+    """An HF transformers model names the blocks it must not be split within (``_no_split_modules``, what
+    accelerate's FSDP auto-wrap uses): T5's ``T5Block`` rather than its two stacks, BERT's embeddings too."""
+    return bool(getattr(module, "_no_split_modules", None))
 
 
-def _repeated_block_classes(root: nn.Module) -> list[type]:
+def _default_members(root: nn.Module) -> list[str]:
+    """The outermost modules that are a declared block (inside an HF model) or, elsewhere, an instance of a
+    block class that occurs more than once there (a transformer's layers, the user's class or torch's)."""
+    declared = {name for m in root.modules() if _declares_blocks(m) for name in m._no_split_modules}
+    repeated = _repeated_block_classes(root)
+    names: list[str] = []
+
+    def visit(module: nn.Module, name: str, in_hf_model: bool) -> None:
+        in_hf_model = in_hf_model or _declares_blocks(module)
+        if module is not root and _has_params(module) and (
+                type(module) in repeated if not in_hf_model else type(module).__name__ in declared):
+            names.append(name)  # its nested blocks (a layer's attention) are no units of their own
+            return
+        for child_name, child in module.named_children():
+            visit(child, f"{name}.{child_name}" if name else child_name, in_hf_model)
+
+    visit(root, "", False)
+    return names
+
+
+def _repeated_block_classes(root: nn.Module) -> set[type]:
+    """Block classes with more than one instance outside HF models (those declare their own blocks)."""
     counts: dict[type, int] = {}
-    for module in root.modules():
+
+    def count(module: nn.Module) -> None:
+        if _declares_blocks(module):
+            return
         if module is not root and _is_block(module):
             counts[type(module)] = counts.get(type(module), 0) + 1
-    repeated = {cls for cls, n in counts.items() if n > 1}
-    # keep only the outermost repeated classes: a block's attention is not a unit of its own
-    outermost: set = set()
-
-    def visit(module: nn.Module) -> None:
-        if type(module) in repeated and module is not root:
-            outermost.add(type(module))
-            return
         for child in module.children():
-            visit(child)
+            count(child)
 
-    visit(root)
-    return sorted(outermost, key=lambda c: c.__qualname__)
+    count(root)
+    return {cls for cls, n in counts.items() if n > 1}
 
 
 def _has_params(module: nn.Module) -> bool:
@@ -229,21 +243,42 @@ def _dedupe(locations: list[tuple[str, str]]) -> list[tuple[str, str]]:
 
 
 def root_heavy_warning(root: nn.Module, plans: list[UnitPlan]) -> Optional[str]:
-    """A warning when the root unit holds most of the parameters: they stay gathered for the whole step, so
-    sharding saves little memory. ``None`` when the plan is fine."""
+    """A warning when the root unit holds most of the parameters: under ``full`` sharding they stay gathered
+    for the whole step, so sharding saves little memory. ``None`` when the plan is fine."""
     root_plan = plans[-1]
     total = sum(plan.numel() for plan in plans)
     if total == 0 or root_plan.numel() * 2 <= total:
         return None
     largest = sorted(root_plan.params, key=lambda entry: entry[0].numel(), reverse=True)[:3]
     named = ", ".join(f"{_qualified(*locations[0])} ({param.numel():,})" for param, locations in largest)
+    message = (f"lightning_shard: the root unit holds {root_plan.numel() / total:.0%} of {type(root).__name__}'s"
+               f" {total:,} parameters (largest: {named}); they stay gathered on every rank for the whole step, so"
+               f" sharding saves little memory.")
+    param, locations = largest[0]
+    readers = list(dict.fromkeys(module_name for module_name, _ in locations))
+    if len(readers) > 1:
+        return (f"{message} The largest is one parameter tied between {readers}: it stays in the root unit"
+                f" whatever the plan (untie it to shard it).")
+    return f"{message} {_suggestion(root, plans, readers[0], root_plan.numel() / total)}"
+
+
+def _suggestion(root: nn.Module, plans: list[UnitPlan], reader: str, share: float) -> str:
+    """A ``units=[...]`` that takes the largest root parameter out, if one cuts the root's share."""
+    generic = "Cut the model into units with `units=[...]` (module classes or class names) or `unit_size=`."
     members = [m for plan in plans[:-1] for m in plan.members]
-    enclosing = _outermost_free_module(root, largest[0][1][0][0], members)
-    example = f", e.g. units={[cls for cls in (enclosing, *_class_names(plans[:-1], root)) if cls]}" if enclosing else ""
-    return (f"lightning_shard: the root unit holds {root_plan.numel() / total:.0%} of {type(root).__name__}'s"
-            f" {total:,} parameters (largest: {named}); they stay gathered on every rank for the whole step, so"
-            f" sharding saves little memory. Cut the model into units with `units=[...]` (module classes or class"
-            f" names{example}) or `unit_size=` (a parameter budget per unit).")
+    enclosing = _outermost_free_module(root, reader, members)
+    if enclosing is None:
+        return generic
+    classes = [enclosing, *_class_names(plans[:-1], root)]
+    new_plans = plan_units(root, units=classes)
+    new_share = new_plans[-1].numel() / sum(plan.numel() for plan in new_plans)
+    if new_share > share - 0.1:
+        return generic
+    matched = [name for name, m in root.named_modules() if type(m).__name__ == enclosing]
+    shown = ", ".join(matched[:4]) + (", ..." if len(matched) > 4 else "")
+    return (f"E.g. `units={classes}` leaves {new_share:.0%} in the root; {enclosing!r} matches {shown}, and a unit's"
+            f" parameters are gathered when one of its modules is called, so each must be called, not have its"
+            f" weight read directly. Or set `unit_size=` (a parameter budget per unit).")
 
 
 def _qualified(module_name: str, attr: str) -> str:

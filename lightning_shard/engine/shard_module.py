@@ -73,8 +73,9 @@ def shard_module(
     plans = plan_units(module, units=units, unit_size=unit_size)
     if world > 1:
         _check_ranks_agree(plans, group)
-    root_heavy = root_heavy_warning(module, plans)
-    if root_heavy and shard_world > 1 and rank == 0:
+    # under grad_op every unit stays gathered from its forward to its backward: the root is no worse than the rest
+    root_heavy = root_heavy_warning(module, plans) if sharding == "full" and world > 1 and rank == 0 else None
+    if root_heavy:
         warnings.warn(root_heavy, stacklevel=2)
     materializer = Materializer(module, device or _first_real_device(module))
     built: list[Unit] = []

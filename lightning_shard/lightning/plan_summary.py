@@ -11,15 +11,19 @@ def _kind(unit: Unit) -> str:
     """Units of the same kind: same member classes (``<root>`` for the root unit)."""
     if unit.name == "<root>":
         return "<root>"
-    return " + ".join(type(m).__name__ for m in unit.members)
+    counts: dict[str, int] = {}
+    for member in unit.members:  # unit_size packs several siblings into one unit
+        counts[type(member).__name__] = counts.get(type(member).__name__, 0) + 1
+    kind = " + ".join(f"{n} {cls}" if n > 1 else cls for cls, n in counts.items())
+    return f"[{kind}]" if len(unit.members) > 1 else kind
 
 
 def _numel(unit: Unit) -> int:
     return sum(slot.numel for slot in unit.storage.slots)
 
 
-def _millions(numel: int) -> str:
-    return f"{numel / 1e6:.2f}M" if numel >= 10_000 else f"{numel:,}"
+def _count(numel: int, millions: bool) -> str:
+    return f"{numel / 1e6:.2f}M" if millions else f"{numel:,}"
 
 
 def plan_summary(runtime: ShardRuntime, sharding: str, world_size: int) -> str:
@@ -28,12 +32,16 @@ def plan_summary(runtime: ShardRuntime, sharding: str, world_size: int) -> str:
     kinds: dict[str, list[int]] = {}
     for unit in units:
         kinds.setdefault(_kind(unit), []).append(_numel(unit))
-    rows = [(f"{len(sizes)} x {kind}", _millions(min(sizes)) if min(sizes) == max(sizes)
-             else f"{_millions(min(sizes))} - {_millions(max(sizes))}") for kind, sizes in kinds.items()]
+    rows = []
+    for kind, sizes in kinds.items():
+        millions = max(sizes) >= 10_000
+        low, high = _count(min(sizes), millions), _count(max(sizes), millions)
+        size = low if low == high else f"{low} - {high}"
+        rows.append((f"{len(sizes)} x {kind}", f"{size} parameters{' each' if len(sizes) > 1 else ''}"))
     width = max(len(name) for name, _ in rows)
     lines = [f"lightning_shard: sharding={sharding!r}, {len(units)} units over {world_size} ranks,"
-             f" {_millions(total)} parameters"]
-    lines += [f"  {name:<{width}}  {size} parameters each" for name, size in rows]
+             f" {_count(total, total >= 10_000)} parameters"]
+    lines += [f"  {name:<{width}}  {size}" for name, size in rows]
     return "\n".join(lines)
 
 

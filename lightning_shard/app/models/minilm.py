@@ -97,6 +97,9 @@ class BertEncoder(nn.Module):
 class MiniLMClassifier(nn.Module):
     """BERT encoder, mean pooling over real tokens, a linear head."""
 
+    # as HF's BertModel declares: the default unit plan takes these (the word embeddings are half the model)
+    _no_split_modules = ["BertEmbeddings", "BertLayer"]
+
     def __init__(self, num_classes: int, config: dict, dropout: float = 0.1) -> None:
         super().__init__()
         hidden, eps = config["hidden_size"], config["layer_norm_eps"]
