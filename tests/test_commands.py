@@ -35,6 +35,9 @@ def test_help(tmp_path, command):
     ("lightning_shard.estimate", ["strategy.sharding=zero9"], "`sharding` must be one of 'full', 'grad_op', 'none'"),
     ("lightning_shard.consolidate", ["no_such.ckpt"], "does not exist"),
     ("lightning_shard.consolidate", [], "the following arguments are required: checkpoint_dir (see --help)"),
+    # never over a directory, nor into the checkpoint being read (files.commit would replace what is there)
+    ("lightning_shard.consolidate", ["run.ckpt", "."], "'.' is a directory; OUT must be a file path"),
+    ("lightning_shard.consolidate", [".", "x.ckpt"], "OUT 'x.ckpt' lies inside the checkpoint"),
     ("lightning_shard.bench", ["--world", "0"], "argument --world: must be an integer >= 1; got '0'"),
     ("lightning_shard.app.sweep", ["no_such_dir"], "no job of 'no_such_dir' wrote a summary.json"),
 ])

@@ -38,7 +38,8 @@ def consolidate(directory: Union[str, Path], out: Optional[Union[str, Path]] = N
     """
     directory = files.resolve(Path(directory))
     if directory.is_file():
-        raise files.CheckpointError(f"{str(directory)!r} is a file, already a full checkpoint.")
+        raise files.CheckpointError(f"{str(directory)!r} is a file, not a sharded checkpoint directory (a"
+                                    " full checkpoint file needs no consolidation).")
     files.verify_directory(directory)
     metadata = read_metadata(directory)
     tensors = {key: torch.empty(md.size, dtype=md.properties.dtype)
