@@ -187,3 +187,31 @@ def test_default_plan_takes_the_blocks_an_hf_model_declares():
     # an HF model beside the user's own blocks: each part gets its blocks
     combined = nn.ModuleDict({"bert": bert, "head": nn.TransformerDecoder(nn.TransformerDecoderLayer(16, 2, 32), 2)})
     assert unit_names(combined) == [f"bert.{u}" for u in bert_units] + ["head.layers.0", "head.layers.1", "<root>"]
+
+
+class _ReadsWeightDirectly(nn.Module):
+    """Reads its position embedding as ``self.wpe.weight[:T]``, never calling ``wpe``; T == width, so the
+    1-D shard a unit holds between uses broadcasts where the parameter would (no shape error to notice)."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(16, width), nn.Embedding(width, width)
+        self.head = nn.Linear(width, 16)
+
+    def forward(self, ids):
+        return self.head(self.wte(ids) + self.wpe.weight[: ids.shape[1]])
+
+
+def test_a_parameter_used_while_its_unit_is_not_gathered_stops_training():
+    ids = torch.randint(0, 16, (2, 8))
+    model = _ReadsWeightDirectly()
+    shard_module(model, units=["Embedding"])  # wpe's unit is never gathered: its module is never called
+    with pytest.raises(RuntimeError, match="'wpe.weight' was used while its unit was not gathered: its module was"
+                                           " not called"):
+        model(ids).sum().backward()  # before: trained on with a wrong gradient, silently
+    # a penalty over self.parameters() after forward reads the freed units' shards too
+    model = models.TinyGPT()
+    shard_module(model)
+    loss = model(torch.randint(0, 37, (2, 5))).float().mean()
+    with pytest.raises(RuntimeError, match="'blocks.2.* was used while its unit was not gathered"):
+        (loss + sum(p.pow(2).sum() for p in model.parameters())).backward()

@@ -94,7 +94,10 @@ class FlatShard:
 
     def _make_shard_param(self, slot: ParamSlot) -> nn.Parameter:
         lo, hi = self.shard_range(slot)
-        return nn.Parameter(self.shard[lo:hi], requires_grad=slot.requires_grad)
+        param = nn.Parameter(self.shard[lo:hi], requires_grad=slot.requires_grad)
+        if slot.requires_grad:
+            _refuse_autograd_grads(param, slot)
+        return param
 
     # -- gathered buffer ----------------------------------------------------------------------------
     @property
@@ -143,6 +146,8 @@ class FlatShard:
                 flag = self.requires_grad[i] = not self.requires_grad[i]
                 shard.requires_grad_(flag)
                 gathered.requires_grad_(flag)
+                if flag:
+                    _refuse_autograd_grads(shard, self.slots[i])
                 unfrozen += [gathered] if flag else []
                 changed = True
         if changed:
@@ -208,3 +213,22 @@ class FlatShard:
             param.grad = view
             new_views[i] = view
         self.shard_grad, self._shard_grad_views = reduced, new_views
+
+
+def _refuse_autograd_grads(shard: nn.Parameter, slot: ParamSlot) -> None:
+    """Only the reducer gives a shard parameter its ``.grad``. Autograd accumulating into one means the shard,
+    a 1-D slice of this rank's part, was computed with as if it were the parameter: read while its unit was
+    not gathered. Whatever came out (a shape error, or a silently wrong value) must not train on."""
+    if getattr(shard, "_refuses_autograd_grads", False):
+        return
+
+    def refuse(_: Tensor) -> None:
+        raise RuntimeError(
+            f"lightning_shard: {slot.names[0]!r} was used while its unit was not gathered: its module was not"
+            " called (its weight read directly, e.g. `self.wpe.weight[:T]`), or it was read outside the forward"
+            " (a penalty over `self.parameters()` in training_step). A unit's parameters are gathered when one"
+            " of its modules is called: put the code that reads it in the same unit (`units=`), or compute it"
+            " inside a forward (weight decay: the optimizer's `weight_decay`).")
+
+    shard.register_post_accumulate_grad_hook(refuse)
+    shard._refuses_autograd_grads = True
