@@ -3,6 +3,7 @@ say bad input in one line on stderr with exit status 2."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -19,6 +20,7 @@ def run(cwd, *args: str) -> subprocess.CompletedProcess:
     return proc
 
 
+DRIVER = os.path.join(os.path.dirname(__file__), "cli_driver.py")
 COMMANDS = ["lightning_shard.train", "lightning_shard.estimate", "lightning_shard.consolidate", "lightning_shard.bench",
             "lightning_shard.app.sweep"]
 
@@ -31,7 +33,12 @@ def test_help(tmp_path, command):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("command, args, message", [
+TRAIN = "lightning_shard.train"
+BAD_INPUT = [  # (command, args, what its one line says); all fail before any rank starts
+    (TRAIN, ["strategy=zero9"], "Could not find 'strategy/zero9'"),
+    (TRAIN, ["strategy.sharding=zero9"], "`sharding` must be one of 'full', 'grad_op', 'none'; got 'zero9'"),
+    (TRAIN, ["strategy.unit_size=-5"], "`unit_size` must be a positive int"),
+    (TRAIN, ["precision=fp8"], "`precision` must be one of 32-true, bf16-mixed, 16-mixed, bf16-true; got 'fp8'"),
     ("lightning_shard.estimate", ["strategy.sharding=zero9"], "`sharding` must be one of 'full', 'grad_op', 'none'"),
     ("lightning_shard.consolidate", ["no_such.ckpt"], "does not exist"),
     ("lightning_shard.consolidate", [], "the following arguments are required: checkpoint_dir (see --help)"),
@@ -40,12 +47,22 @@ def test_help(tmp_path, command):
     ("lightning_shard.consolidate", [".", "x.ckpt"], "OUT 'x.ckpt' lies inside the checkpoint"),
     ("lightning_shard.bench", ["--world", "0"], "argument --world: must be an integer >= 1; got '0'"),
     ("lightning_shard.app.sweep", ["no_such_dir"], "no job of 'no_such_dir' wrote a summary.json"),
-])
-def test_bad_input_is_one_line_and_exit_status_2(tmp_path, command, args, message):
-    """(The training command's bad overrides: tests/test_train_hydra.py.) All fail before any rank starts."""
-    proc = run(tmp_path, command, *args)
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert len(proc.stderr.splitlines()) == 1 and message in proc.stderr, proc.stderr[-3000:]
+]
+
+
+def test_bad_input_is_one_line_and_exit_status_2(tmp_path):
+    """Every case in one interpreter (tests/cli_driver.py): an interpreter start costs more than a case."""
+    cases = [(command, [*args, f"hydra.run.dir={tmp_path / 'run'}"] if command == TRAIN else args)
+             for command, args, _ in BAD_INPUT]
+    proc = subprocess.run([sys.executable, DRIVER, json.dumps(cases)], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=280, env={**os.environ, "PYTHONWARNINGS": "ignore", "HYDRA_FULL_ERROR": "0"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for (command, args, message), result in zip(BAD_INPUT, json.loads(proc.stdout.splitlines()[-1])):
+        case = f"{command} {' '.join(args)}: {result}"
+        assert result["code"] == 2, case
+        assert result["stderr"].startswith(f"python -m {command}: error: ") and message in result["stderr"], case
+        assert len(result["stderr"].splitlines()) == 1, case  # no traceback, no usage, no Hydra hints
+        assert "Initializing distributed" not in result["stderr"] + result["stdout"], case
 
 
 def test_estimate_reads_the_packaged_configs(tmp_path):
