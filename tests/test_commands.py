@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -46,6 +47,9 @@ BAD_INPUT = [  # (command, args, what its one line says); all fail before any ra
     ("lightning_shard.consolidate", ["run.ckpt", "."], "'.' is a directory; OUT must be a file path"),
     ("lightning_shard.consolidate", [".", "x.ckpt"], "OUT 'x.ckpt' lies inside the checkpoint"),
     ("lightning_shard.bench", ["--world", "0"], "argument --world: must be an integer >= 1; got '0'"),
+    ("lightning_shard.bench", ["--device", "cuda", "--world", "99"],  # a bad request on any machine
+     "--world 99 on cuda needs 99 GPUs" if torch.cuda.is_available() else "--device cuda: no CUDA device here"),
+    ("lightning_shard.bench", ["--world", "2", "--configs", "plain"], "plain (Lightning with no strategy) runs on one"),
     ("lightning_shard.app.sweep", ["no_such_dir"], "no job of 'no_such_dir' wrote a summary.json"),
 ]
 

@@ -1,23 +1,39 @@
-"""Benchmark: the same GPT on N gloo ranks under each strategy, runs interleaved, one table.
+"""Benchmark: the same GPT on N ranks under each strategy, runs interleaved, one table per precision.
 
-    python -m lightning_shard.bench                       # 25M-parameter GPT, 2 ranks
+    python -m lightning_shard.bench                       # 25M-parameter GPT, 2 gloo CPU ranks
     python -m lightning_shard.bench --rounds 5 --steps 6  # more samples
+    python -m lightning_shard.bench --device cuda --precision 32-true bf16-mixed --trace trace.json
 
-Strategies: each rank alone (a plain loop, no communication), Lightning's ``ddp``, torch FSDP2
-(``fully_shard`` per block and on the model, through Lightning's ``ModelParallelStrategy``), and
-lightning_shard in each sharding mode. Each *round* runs every strategy once (A B C ... A B C ...) so
-that a noisy machine affects all of them alike; medians are taken over all rounds' timed steps.
+Strategies: each rank alone (a plain loop, no Lightning, no communication), Lightning with no strategy
+(``plain``: one device, world 1 only), Lightning's ``ddp``, torch FSDP2 (``fully_shard`` per block and on
+the model, through Lightning's ``ModelParallelStrategy``), and lightning_shard in each sharding mode. Each
+*round* runs every strategy once (A B C ... A B C ...) so that a noisy machine affects all of them alike;
+medians are taken over all rounds' timed steps.
+
+Default strategies: at --world 1 alone, plain and lightning_shard's modes (ddp and FSDP2 have nothing to
+compare there); at --world 2 or more alone, ddp, fsdp2 and lightning_shard's modes.
+
+--device cuda: NCCL (Lightning picks it), one GPU per rank, --world defaults to the GPUs there are, and a
+larger model (depth 12, width 1024, seq 512, vocab 32000: 184M parameters). Step times are taken between
+torch.cuda.synchronize() calls; the table adds each rank's peak of torch.cuda.max_memory_allocated() (the
+largest rank's) next to lightning_shard's own estimates.
+
+--trace PATH: after the rounds, shard_full runs once more (the first --precision) and rank 0 records 3 steps
+after warm-up with torch.profiler (CPU, and CUDA on cuda) into a Chrome trace at PATH (chrome://tracing or
+https://ui.perfetto.dev): on a GPU, the next unit's all-gather on its own stream under this unit's compute.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import pickle
 import platform
 import statistics
 import tempfile
 import time
+from contextlib import nullcontext
 
 import lightning as L
 import torch
@@ -29,7 +45,21 @@ from lightning_shard.app.cli import ArgumentParser, at_least
 from lightning_shard.app.models.gpt import GPT
 from lightning_shard.app.models.lit_lm import LitLanguageModel
 
-CONFIGS = ("alone", "ddp", "fsdp2", "shard_full", "shard_grad_op", "shard_none")
+CONFIGS = ("alone", "plain", "ddp", "fsdp2", "shard_full", "shard_grad_op", "shard_none")
+PRECISIONS = ("32-true", "bf16-mixed")
+TRACE_STEPS = 3
+# per device: the model and the number of steps (cuda: about 1-2 minutes on one H100 for both precisions)
+DEFAULTS = {
+    "cpu": {"depth": 6, "width": 512, "heads": 8, "seq": 128, "batch": 8, "vocab": 12000, "steps": 4, "warmup": 2},
+    "cuda": {"depth": 12, "width": 1024, "heads": 16, "seq": 512, "batch": 8, "vocab": 32000, "steps": 10,
+             "warmup": 3},
+}
+
+
+def default_configs(world: int) -> list[str]:
+    if world == 1:
+        return ["alone", "plain", "shard_full", "shard_grad_op", "shard_none"]
+    return ["alone", "ddp", "fsdp2", "shard_full", "shard_grad_op", "shard_none"]
 
 
 class BenchLM(LitLanguageModel):
@@ -47,17 +77,56 @@ class BenchLM(LitLanguageModel):
             fully_shard(self.model, mesh=mesh)
 
 
+def _sync(cuda: bool) -> None:
+    if cuda:  # kernels run asynchronously: without this, host times measure launches, not work
+        torch.cuda.synchronize()
+
+
 class StepTimer(L.Callback):
-    def __init__(self) -> None:
+    def __init__(self, cuda: bool = False) -> None:
+        self.cuda = cuda
         self.times: list[float] = []
         self.exposed: list[float] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        _sync(self.cuda)
         self._start = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        _sync(self.cuda)
         self.times.append(time.perf_counter() - self._start)
         self.exposed.append(getattr(trainer.strategy, "comm_stats", {}).get("exposed_seconds", float("nan")))
+
+
+class TraceSteps(L.Callback):
+    """Profiles ``count`` steps from batch ``first`` on and writes them as a Chrome trace to ``path``."""
+
+    def __init__(self, path: str, first: int, count: int, cuda: bool) -> None:
+        self.path, self.first, self.count, self.cuda = path, first, count, cuda
+        self.profiler = None
+        self.step = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if batch_idx == self.first:
+            from torch.profiler import ProfilerActivity, profile
+
+            _sync(self.cuda)
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+            self.profiler = profile(activities=activities)
+            self.profiler.start()
+        if self.profiler is not None:
+            self.step = torch.profiler.record_function(f"train step {batch_idx}")
+            self.step.__enter__()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.profiler is None:
+            return
+        self.step.__exit__(None, None, None)
+        if batch_idx == self.first + self.count - 1:
+            _sync(self.cuda)
+            self.profiler.stop()
+            self.profiler.export_chrome_trace(self.path)
+            self.profiler = None
 
 
 def _model_state_mb(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float:
@@ -69,6 +138,8 @@ def _strategy(name: str, world: int):
 
     from lightning_shard import ShardStrategy
 
+    if name == "plain":
+        return "auto"  # Lightning's own single-device strategy
     if name == "ddp":
         return DDPStrategy()
     if name == "fsdp2":
@@ -83,37 +154,86 @@ def _data(args, world: int) -> DataLoader:
     return DataLoader(torch.randint(0, args.vocab, (n, args.seq + 1), generator=g), batch_size=args.batch)
 
 
-def _run_alone(args) -> dict:
+def _gpt(args) -> GPT:
+    return GPT(args.vocab, args.width, args.depth, args.heads, args.seq)
+
+
+def _run_alone(args, precision: str) -> dict:
+    cuda = args.device == "cuda"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     torch.manual_seed(0)
-    module = BenchLM(GPT(args.vocab, args.width, args.depth, args.heads, args.seq))
+    module = BenchLM(_gpt(args)).to(device)
     optimizer = module.configure_optimizers()["optimizer"]
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16-mixed" else nullcontext()
     times = []
     for i, batch in enumerate(_data(args, 1)):
+        batch = batch.to(device)
+        _sync(cuda)
         start = time.perf_counter()
         optimizer.zero_grad()
-        module._loss(batch).backward()
+        with autocast:
+            loss = module._loss(batch)
+        loss.backward()
         optimizer.step()
+        _sync(cuda)
         times.append(time.perf_counter() - start)
         if i + 1 == args.warmup + args.steps:
             break
     return {"times": times[args.warmup :], "exposed": [], "state_mb": _model_state_mb(module, optimizer), "comm": {}}
 
 
-def _run(name: str, args, world: int) -> dict:
+def _run(name: str, args, world: int, precision: str, rank: int = 0, trace: str | None = None) -> dict:
+    """One run of one strategy; on cuda also its peak memory and lightning_shard's estimate. With ``trace``, fewer
+    steps on every rank (they must agree) and rank 0 records them."""
+    cuda = args.device == "cuda"
+    if cuda:  # earlier runs' tensors are gone before this one's peak is measured
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
     if name == "alone":
-        return _run_alone(args)
-    torch.manual_seed(0)
-    module = BenchLM(GPT(args.vocab, args.width, args.depth, args.heads, args.seq), fsdp2=name == "fsdp2")
-    timer = StepTimer()
-    trainer = L.Trainer(
-        accelerator="cpu", devices=world, strategy=_strategy(name, world), max_steps=args.warmup + args.steps,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[timer],
+        result = _run_alone(args, precision)
+        estimate = None
+    else:
+        torch.manual_seed(0)
+        module = BenchLM(_gpt(args), fsdp2=name == "fsdp2")
+        timer = StepTimer(cuda)
+        callbacks: list[L.Callback] = [timer]
+        steps = args.warmup + args.steps
+        if trace is not None:
+            steps = args.warmup + min(TRACE_STEPS, args.steps)
+            if rank == 0:
+                callbacks.append(TraceSteps(trace, args.warmup, steps - args.warmup, cuda))
+        trainer = L.Trainer(
+            accelerator=args.device, devices=1 if name == "plain" else world, strategy=_strategy(name, world),
+            precision=precision, max_steps=steps, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+        )
+        trainer.fit(module, _data(args, world))
+        comm = dict(getattr(trainer.strategy, "comm_stats", {}))
+        estimate = getattr(trainer.strategy, "memory_estimate", None)
+        result = {"times": timer.times[args.warmup :], "exposed": timer.exposed[args.warmup :],
+                  "state_mb": _model_state_mb(module, trainer.optimizers[0]), "comm": comm}
+    if cuda:
+        result["peak_mb"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+        result["base_mb"] = base / 2**20
+        result["estimate_mb"] = estimate.peak / 2**20 if estimate is not None else float("nan")
+    return result
+
+
+def _estimate_with_activations(name: str, args, world: int, precision: str) -> float:
+    """lightning_shard's estimate with one batch's activations (as ``python -m lightning_shard.estimate``), MiB."""
+    from lightning_shard.lightning.precision import ShardPrecision
+    from lightning_shard.memory.estimate import estimate_memory
+
+    with torch.device("meta"):
+        module = BenchLM(_gpt(args))
+    estimate = estimate_memory(
+        module, world, sharding=name.removeprefix("shard_"), param_dtype=ShardPrecision(precision).policy.param_dtype,
+        optimizer=torch.optim.AdamW, step=lambda m, b: m._loss(b), batch=next(iter(_data(args, world))),
+        device=args.device,
     )
-    trainer.fit(module, _data(args, world))
-    comm = dict(getattr(trainer.strategy, "comm_stats", {}))
-    return {"times": timer.times[args.warmup :], "exposed": timer.exposed[args.warmup :],
-            "state_mb": _model_state_mb(module, trainer.optimizers[0]), "comm": comm}
+    return estimate.peak / 2**20
 
 
 def _rank_main(rank: int, world: int, args, port: int, out: str) -> None:
@@ -122,73 +242,158 @@ def _rank_main(rank: int, world: int, args, port: int, out: str) -> None:
     import warnings
 
     warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)  # one core per rank: ranks must not fight over cores
-    results: dict[str, list[dict]] = {c: [] for c in args.configs}
+    if args.device == "cuda":
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(1)  # one core per rank: ranks must not fight over cores
+    results: dict[str, dict[str, list[dict]]] = {p: {c: [] for c in args.configs} for p in args.precision}
+    estimates: dict[tuple[str, str], float] = {}
+    errors: list[str] = []
     for round_ in range(args.rounds):
-        for name in args.configs:  # interleaved: A B C ... A B C ...
-            results[name].append(_run(name, args, world))
-            if rank == 0:
-                print(f"round {round_ + 1}/{args.rounds}: {name} done", flush=True)
-    if rank == 0:
-        with open(out, "wb") as f:
-            pickle.dump(results, f)
+        for precision in args.precision:
+            for name in args.configs:  # interleaved: A B C ... A B C ...
+                results[precision][name].append(_run(name, args, world, precision, rank))
+                if args.device == "cuda" and rank == 0 and name.startswith("shard_") and round_ == 0:
+                    try:  # once per config, after its run (the other ranks wait in the next setup, untimed)
+                        estimates[precision, name] = _estimate_with_activations(name, args, world, precision)
+                    except Exception as err:  # an estimate must not stop the benchmark
+                        estimates[precision, name] = float("nan")
+                        errors.append(f"{name} {precision}: no estimate with activations ({type(err).__name__}: {err})")
+                if rank == 0:
+                    print(f"round {round_ + 1}/{args.rounds}: {name} {precision} done", flush=True)
+    if args.trace:
+        _run("shard_full", args, world, args.precision[0], rank, trace=args.trace)
+    with open(f"{out}.{rank}", "wb") as f:
+        pickle.dump({"results": results, "estimates": estimates, "errors": errors}, f)
 
 
-def _table(results: dict, args, params: int) -> str:
+def _merge(ranks: list[dict]) -> dict:
+    """Rank 0's results, with each run's peak memory the largest over the ranks."""
+    merged = ranks[0]
+    for precision, configs in merged["results"].items():
+        for name, runs in configs.items():
+            for i, run in enumerate(runs):
+                if "peak_mb" in run:
+                    run["peak_mb"] = max(r["results"][precision][name][i]["peak_mb"] for r in ranks)
+                    run["base_mb"] = max(r["results"][precision][name][i]["base_mb"] for r in ranks)
+    return merged
+
+
+def _table(results: dict, args, params: int, precision: str, estimates: dict) -> str:
+    cuda = args.device == "cuda"
     rows = []
     medians = {name: statistics.median([t for r in runs for t in r["times"]]) for name, runs in results.items()}
-    anchor = medians.get("fsdp2")
-    header = (f"{'strategy':<15}{'median step s':>14}{'x FSDP2':>9}{'x DDP':>7}{'gathered MB':>13}"
-              f"{'reduced MB':>12}{'collectives':>12}{'exposed comm s':>16}{'state MB/rank':>15}")
+    anchors = [(label, medians[name]) for name, label in (("fsdp2", "x FSDP2"), ("ddp", "x DDP"), ("plain", "x plain"))
+               if name in medians]
+    header = f"{'strategy':<15}{'median step s':>14}" + "".join(f"{label:>9}" for label, _ in anchors)
+    header += f"{'gathered MB':>13}{'reduced MB':>12}{'collectives':>12}{'exposed comm s':>16}{'state MB/rank':>15}"
+    if cuda:
+        header += f"{'peak MB/rank':>14}{'est MB':>9}{'est+act MB':>12}"
     rows.append(header)
     rows.append("-" * len(header))
     for name, runs in results.items():
         comm = runs[-1]["comm"]
         exposed = [e for r in runs for e in r["exposed"]]
         reduced = comm.get("reduce_scatter_bytes", 0) + comm.get("all_reduce_bytes", 0)
-        rows.append(
-            f"{name:<15}{medians[name]:>14.3f}"
-            f"{(medians[name] / anchor if anchor else float('nan')):>9.2f}"
-            f"{(medians[name] / medians['ddp'] if 'ddp' in medians else float('nan')):>7.2f}"
+        row = f"{name:<15}{medians[name]:>14.3f}" + "".join(f"{medians[name] / anchor:>9.2f}" for _, anchor in anchors)
+        row += (
             f"{(comm['all_gather_bytes'] / 2**20 if comm else float('nan')):>13.1f}"
             f"{(reduced / 2**20 if comm else float('nan')):>12.1f}"
             f"{(comm['collectives'] if comm else float('nan')):>12.0f}"
             f"{(statistics.median(exposed) if exposed and comm else float('nan')):>16.3f}"
             f"{runs[-1]['state_mb']:>15.1f}"
         )
-    rows.append(f"\nmodel: GPT, {params / 1e6:.1f}M parameters ({params * 4 / 2**20:.0f} MB fp32), depth {args.depth},"
-                f" width {args.width}, seq {args.seq}, batch {args.batch}/rank, vocab {args.vocab}")
-    rows.append(f"{args.world} gloo ranks, 1 thread each; {args.rounds} rounds x {args.steps} timed steps"
-                f" after {args.warmup} warm-up; comm figures are per optimizer step (nan: not measured)")
-    rows.append(f"machine: {platform.machine()}, {os.cpu_count()} cores, {platform.platform()}; python"
+        if cuda:
+            row += (f"{max(r['peak_mb'] for r in runs):>14.1f}{runs[-1]['estimate_mb']:>9.1f}"
+                    f"{estimates.get((precision, name), float('nan')):>12.1f}")
+        rows.append(row)
+    if "plain" in medians and "shard_full" in medians:
+        ratio = medians["shard_full"] / medians["plain"]
+        rows.append(f"\nshard_full / plain: {ratio:.3f} (issue 16's target: <= 1.03) {'met' if ratio <= 1.03 else 'NOT met'}")
+    rows.append(f"\nprecision {precision}; model: GPT, {params / 1e6:.1f}M parameters ({params * 4 / 2**20:.0f} MB fp32),"
+                f" depth {args.depth}, width {args.width}, seq {args.seq}, batch {args.batch}/rank, vocab {args.vocab}")
+    ranks = f"{args.world} {'CUDA' if cuda else 'gloo'} rank{'s' if args.world > 1 else ''}"
+    timing = f"{args.rounds} round{'s' if args.rounds > 1 else ''} x {args.steps} timed steps after {args.warmup} warm-up"
+    if cuda:
+        rows.append(f"{ranks} (NCCL), one GPU each; {timing}, synchronized at each step's start and end;"
+                    " comm figures are per optimizer step (nan: not measured)")
+        held = max((r["base_mb"] for runs in results.values() for r in runs), default=0.0)
+        rows.append("peak MB/rank: torch.cuda.max_memory_allocated() over a run, the largest rank's (what earlier runs"
+                    f" still held at a run's start, at most {held:.1f} MB, subtracted)")
+        rows.append("est MB: the strategy's own estimate at setup (trainer.strategy.memory_estimate.peak: shards,"
+                    " optimizer state, gathered units, gradients; no activations); est+act MB: the same with one"
+                    " batch's activations (as python -m lightning_shard.estimate)")
+        rows.append("the estimates leave out the CUDA context and NCCL's buffers, as max_memory_allocated does (and the"
+                    " caching allocator's reserve): nvidia-smi shows more")
+    else:
+        rows.append(f"{ranks}, 1 thread each; {timing}; comm figures are per optimizer step (nan: not measured)")
+    gpu = f"; {torch.cuda.get_device_name()} (CUDA {torch.version.cuda})" if cuda else ""
+    rows.append(f"machine: {platform.machine()}, {os.cpu_count()} cores, {platform.platform()}{gpu}; python"
                 f" {platform.python_version()}, torch {torch.__version__}, lightning {L.__version__}")
     return "\n".join(rows)
 
 
 def main(argv=None) -> None:
     parser = ArgumentParser(prog="python -m lightning_shard.bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--world", type=at_least(1), default=2)
-    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu: gloo ranks, 1 thread each; cuda: NCCL, one GPU per rank (default: cpu)")
+    parser.add_argument("--world", type=at_least(1), default=None,
+                        help="ranks (default: 2 on cpu, the number of GPUs on cuda)")
+    parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=None,
+                        help="strategies (default: alone, plain and the shard modes at --world 1; alone, ddp, fsdp2"
+                             " and the shard modes otherwise; plain runs at --world 1 only)")
+    parser.add_argument("--precision", nargs="+", choices=PRECISIONS, default=["32-true"],
+                        help="one table per precision, runs interleaved (default: 32-true)")
+    parser.add_argument("--trace", metavar="PATH", default=None,
+                        help="also write a Chrome trace of shard_full's steps on rank 0 to PATH (a .json file)")
     parser.add_argument("--rounds", type=at_least(1), default=3)
-    parser.add_argument("--steps", type=at_least(1), default=4)
-    parser.add_argument("--warmup", type=at_least(0), default=2)
-    parser.add_argument("--depth", type=at_least(1), default=6)
-    parser.add_argument("--width", type=at_least(1), default=512)
-    parser.add_argument("--heads", type=at_least(1), default=8)
-    parser.add_argument("--seq", type=at_least(1), default=128)
-    parser.add_argument("--batch", type=at_least(1), default=8)
-    parser.add_argument("--vocab", type=at_least(1), default=12000)
+    for option in ("steps", "warmup", "depth", "width", "heads", "seq", "batch", "vocab"):
+        low = 0 if option == "warmup" else 1
+        parser.add_argument(f"--{option}", type=at_least(low), default=None,
+                            help=f"default: {DEFAULTS['cpu'][option]} on cpu, {DEFAULTS['cuda'][option]} on cuda")
     args = parser.parse_args(argv)
-    if args.width % args.heads:  # said here, not in a traceback from every rank
+    for option, value in DEFAULTS[args.device].items():
+        if getattr(args, option) is None:
+            setattr(args, option, value)
+    if args.device == "cuda":  # said here, in one line, not in a traceback from every rank
+        if not torch.cuda.is_available():
+            build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU build"
+            parser.error(f"--device cuda: no CUDA device here (torch.cuda.is_available() is False; torch"
+                         f" {torch.__version__} is {build})")
+        gpus = torch.cuda.device_count()
+        args.world = gpus if args.world is None else args.world
+        if args.world > gpus:
+            parser.error(f"--world {args.world} on cuda needs {args.world} GPUs, one per rank; there are {gpus}")
+    elif args.world is None:
+        args.world = 2
+    args.configs = list(dict.fromkeys(args.configs or default_configs(args.world)))
+    args.precision = list(dict.fromkeys(args.precision))
+    if "plain" in args.configs and args.world != 1:
+        parser.error(f"plain (Lightning with no strategy) runs on one device: use --world 1, not {args.world}")
+    if args.width % args.heads:
         parser.error(f"--width {args.width} is not a multiple of --heads {args.heads}")
-    params = sum(p.numel() for p in GPT(args.vocab, args.width, args.depth, args.heads, args.seq).parameters())
+    if args.trace:
+        args.trace = os.path.abspath(args.trace)
+        if os.path.isdir(args.trace) or not os.path.isdir(os.path.dirname(args.trace)):
+            parser.error(f"--trace {args.trace}: must be a file path in an existing folder")
+    params = sum(p.numel() for p in _gpt(args).parameters())
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "results.pkl")
         mp.spawn(_rank_main, args=(args.world, args, _free_port(), out), nprocs=args.world, join=True)
-        with open(out, "rb") as f:
-            results = pickle.load(f)
-    print(_table(results, args, params), flush=True)
+        ranks = []
+        for rank in range(args.world):
+            with open(f"{out}.{rank}", "rb") as f:
+                ranks.append(pickle.load(f))
+    merged = _merge(ranks)
+    tables = [_table(merged["results"][p], args, params, p, merged["estimates"]) for p in args.precision]
+    print("\n\n".join(tables), flush=True)
+    for error in merged["errors"]:
+        print(error, flush=True)
+    if args.trace:
+        print(f"trace: {min(TRACE_STEPS, args.steps)} shard_full steps ({args.precision[0]}) on rank 0 after"
+              f" {args.warmup} warm-up written to {args.trace} (open in https://ui.perfetto.dev or chrome://tracing)",
+              flush=True)
 
 
 def _free_port() -> int:
@@ -197,3 +402,4 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
