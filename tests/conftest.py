@@ -15,3 +15,8 @@ def _restore_environment():
     yield
     os.environ.clear()
     os.environ.update(saved)
+
+
+# Every engine in the suite (spawned ranks inherit it) checks that each buffer crossing between its streams
+# is handed over with a wait: the ordering a GPU needs, verified where there is none (engine/streams.py).
+os.environ.setdefault("LIGHTNING_SHARD_CHECK_STREAMS", "1")

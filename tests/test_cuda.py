@@ -183,7 +183,9 @@ def two_ranks_one_device(rank: int, world: int, device_type: str, steps: int = 2
         expected_losses = train(ddp, TinyGPT.loss, batches, rank, world)
         runtime = shard_module(sharded, sharding=mode, prefetch=1, device=device)
         losses = train(sharded, TinyGPT.loss, batches, rank, world, runtime=runtime)
+        runtime.after_optimizer_step()  # closes the stall measurements of all the steps (train() does not)
         report[mode] = {
+            "streams": type(runtime.streams).__name__, "exposed": runtime.last_step_stats["exposed_seconds"],
             "losses": losses, "expected_losses": expected_losses, "units": len(runtime.units),
             "shard_device": str(runtime.units[0].storage.shard.device),
             "state": full_state_dict(runtime, rank0_only=False),
@@ -196,6 +198,9 @@ def assert_two_ranks_match_ddp(reports: list[dict], device: str) -> None:
     for rank, report in enumerate(reports):
         for mode, r in report.items():
             assert r["shard_device"] == device and r["units"] == 4, (rank, mode, r["shard_device"], r["units"])
+            # the CUDA streams ran, and the compute stream's waits on them were timed by events
+            assert r["streams"] == ("CudaStreams" if device.startswith("cuda") else "HostStreams"), r["streams"]
+            assert 0 <= r["exposed"] < 60, (rank, mode, r["exposed"])
             # as tests/test_engine_parity.py on the CPU: the same per-rank arithmetic as DDP, 1e-5 relative
             torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["expected_losses"]), rtol=1e-5,
                                        atol=1e-6, msg=lambda m: f"[rank {rank}/{mode}] losses differ from DDP: {m}")

@@ -154,13 +154,14 @@ class FlatShard:
             self.trainable = [i for i, trains in enumerate(self.requires_grad) if trains]
         return unfrozen
 
-    def take_unsharded_grads(self, dtype: torch.dtype) -> tuple[Tensor, list[int]]:
-        """Flatten the gathered parameters' gradients into one padded buffer and release them.
+    def take_unsharded_grads(self, dtype: torch.dtype) -> tuple[Tensor, list[int], list[Tensor]]:
+        """Flatten the gathered parameters' gradients into one padded buffer and take them off the parameters.
 
         Also returns the slots that had a gradient: a parameter unused in this backward keeps
-        ``.grad = None`` on its shard, so optimizers skip it exactly as they would without sharding.
+        ``.grad = None`` on its shard, so optimizers skip it exactly as they would without sharding; and
+        the gradients taken, which the caller keeps alive until the stream that read them has been waited for.
         """
-        pieces, used = [], []
+        pieces, used, taken = [], [], []
         for i, (slot, param) in enumerate(zip(self.slots, self.gathered_params)):
             grad = param.grad
             if grad is None:
@@ -168,11 +169,12 @@ class FlatShard:
             else:
                 pieces.append(grad.reshape(-1).to(dtype))
                 used.append(i)
+                taken.append(grad)
             param.grad = None
         padding = self.padded_numel - sum(s.numel for s in self.slots)
         if padding:
             pieces.append(self.shard.new_zeros(padding, dtype=dtype))
-        return torch.cat(pieces), used
+        return torch.cat(pieces), used, taken
 
     def grads_finite(self) -> Tensor:
         """Whether this rank's gradient shard is finite: a 0-dim flag on its device (no host sync here)."""

@@ -3,6 +3,11 @@
 Prefetch follows the order in which units ran on the previous step (forward, then the same order reversed
 for backward): while one unit computes, the all-gathers of the next ``prefetch`` units are in flight, so at
 most ``1 + prefetch`` units are gathered at once under ``full`` sharding (plus the root unit).
+
+On a GPU each all-gather, and the cast of the shard it sends, runs on the gather stream (streams.py).
+Note: the gathered buffers are allocated and freed on the compute stream, in host order, and every gather
+first waits for the compute stream: a buffer freed by the host is reused only in compute order, so device
+memory keeps the host's bound even when the host runs far ahead of the device.
 """
 
 from __future__ import annotations
@@ -14,13 +19,15 @@ import torch.distributed as dist
 
 from lightning_shard.engine import collectives
 from lightning_shard.engine.collectives import CommStats
+from lightning_shard.engine.streams import Streams
 from lightning_shard.engine.unit import Unit
 
 
 class GatherSchedule:
-    def __init__(self, group: Optional[dist.ProcessGroup], stats: CommStats, prefetch: int) -> None:
+    def __init__(self, group: Optional[dist.ProcessGroup], stats: CommStats, prefetch: int, streams: Streams) -> None:
         self.group = group
         self.stats = stats
+        self.streams = streams
         self.prefetch = prefetch
         self.gathered_bytes = 0  # bytes of gathered buffers alive now (root included)
         self.peak_gathered_bytes = 0
@@ -38,26 +45,41 @@ class GatherSchedule:
 
     # -- one unit -----------------------------------------------------------------------------------
     def launch(self, unit: Unit) -> None:
-        """Start the unit's all-gather without waiting for it."""
+        """Start the unit's all-gather on the gather stream without waiting for it."""
         if unit.is_gathered or unit.inflight is not None or unit.storage.aliases_shard:
             return
-        storage = unit.storage
+        storage, streams = unit.storage, self.streams
         self.note("all_gather", unit)
         if not storage.is_allocated:  # a refresh (after an optimizer step) reuses its buffer
             self.gathered_bytes += storage.gathered_nbytes
             self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
-        unit.inflight = collectives.all_gather(
-            storage.allocate(), storage.shard_for_gather(), self.group, self.stats, async_op=True,
-            label=f"all-gather of unit {unit.name!r}",
-        )
+        buffer = storage.allocate()  # on compute: its memory is reused in compute order
+        streams.writes(("gathered", unit.name))
+        # the gather stream must not overwrite what compute still reads, nor send a shard the optimizer is writing
+        streams.handover("compute", "gather")
+        with streams.on("gather"):
+            streams.reads(("shard", unit.name))
+            unit.inflight = collectives.all_gather(
+                buffer, storage.shard_for_gather(), self.group, self.stats, async_op=True,
+                label=f"all-gather of unit {unit.name!r}",
+            )
+
+    def _land(self, unit: Unit) -> None:
+        """The unit's all-gather completes on the gather stream, whose work compute then waits for."""
+        assert unit.inflight is not None
+        with self.streams.on("gather"):
+            unit.inflight.wait()
+            self.streams.writes(("gathered", unit.name))
+        unit.inflight = None
+        self.streams.handover("gather", "compute")
 
     def gather(self, unit: Unit) -> None:
         if unit.is_gathered:
             return
         self.launch(unit)
         if unit.inflight is not None:
-            unit.inflight.wait()
-            unit.inflight = None
+            self._land(unit)
+        self.streams.reads(("gathered", unit.name))
         unit.storage.use_gathered()
         unit.is_gathered = True
         if not unit.storage.aliases_shard:
@@ -65,14 +87,14 @@ class GatherSchedule:
 
     def reshard(self, unit: Unit) -> None:
         if unit.inflight is not None:  # never free a buffer a collective is still writing
-            unit.inflight.wait()
-            unit.inflight = None
+            self._land(unit)
         if unit.is_gathered:
             unit.storage.use_shards()
             unit.is_gathered = False
             self._gathered_storage.pop(unit.storage.gathered.untyped_storage().data_ptr(), None)
         if unit.storage.is_allocated and not unit.storage.aliases_shard:
             self.gathered_bytes -= unit.storage.gathered_nbytes
+            self.streams.writes(("gathered", unit.name))  # freed on compute, after every reader has been waited for
             unit.storage.free()
 
     def refresh(self, units: list[Unit]) -> None:

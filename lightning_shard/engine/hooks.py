@@ -19,6 +19,7 @@ from hooks, and their order is the order in which the hooks fire.
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -34,7 +35,11 @@ from lightning_shard.engine.collectives import CommStats
 from lightning_shard.engine.elision import BackwardElision
 from lightning_shard.engine.gather import GatherSchedule
 from lightning_shard.engine.reduce import GradientReducer
+from lightning_shard.engine.streams import streams_for
 from lightning_shard.engine.unit import Unit
+
+# Set to 1 (the test suite does) to check on the CPU that every hand-over between streams is in place.
+CHECK_STREAMS = "LIGHTNING_SHARD_CHECK_STREAMS"
 
 
 class _PostBackward(torch.autograd.Function):
@@ -73,8 +78,11 @@ class ShardRuntime:
         self.steps_done = 0
         self.skipped_steps = 0
         self.stats = CommStats()
-        self.last_step_stats: dict[str, float] = {}
-        self.schedule = GatherSchedule(group, self.stats, prefetch)
+        self._last_step_stats: dict[str, float] = {}
+        self._unmeasured_step: Optional[list] = None  # a closed step whose exposed time the device still knows
+        device = units[0].storage.shard.device if units else torch.device("cpu")
+        self.streams = streams_for(device, check=os.environ.get(CHECK_STREAMS) == "1")
+        self.schedule = GatherSchedule(group, self.stats, prefetch, self.streams)
         self.elision = BackwardElision(units, self.schedule, elide_backward_gathers, group, self.world_size, self.stats)
         self.reducer = GradientReducer(units, group, self.world_size, reduce_dtype, self.stats, self.schedule)
         self._depth = 0  # nesting of steps / root forwards
@@ -152,10 +160,21 @@ class ShardRuntime:
     def after_optimizer_step(self) -> None:
         """Close the step's communication figures; re-gather units still gathered (manual optimization),
         since the optimizer changed their shards."""
-        self.last_step_stats = self.stats.as_dict()
+        self.streams.writes(*(("shard", unit.name) for unit in self.units))  # the optimizer, on compute
+        self._last_step_stats = self.stats.as_dict()
+        self._unmeasured_step = self.streams.close_step()
         self.stats.reset()
         self.steps_done += 1
         self.refresh_gathered()
+
+    @property
+    def last_step_stats(self) -> dict[str, float]:
+        """The last step's communication figures. On a GPU, ``exposed_seconds`` is the time the compute stream
+        waited for the gather and reduce streams, measured by CUDA events (reading it waits for that step)."""
+        if self._unmeasured_step is not None:
+            self._last_step_stats["exposed_seconds"] = self.streams.exposed_seconds(self._unmeasured_step)
+            self._unmeasured_step = None
+        return self._last_step_stats
 
     def refresh_gathered(self) -> None:
         """Re-gather the units held gathered, after their shards changed (optimizer step, loading)."""

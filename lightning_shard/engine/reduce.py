@@ -22,6 +22,7 @@ from torch import Tensor
 from lightning_shard.engine import collectives
 from lightning_shard.engine.collectives import CommStats, Pending
 from lightning_shard.engine.gather import GatherSchedule
+from lightning_shard.engine.streams import Streams
 from lightning_shard.engine.unit import Unit
 
 MAX_PENDING_REDUCTIONS = 2  # one overlapping the next unit's backward, one completing
@@ -36,9 +37,11 @@ class GradientReducer:
         self.reduce_dtype = reduce_dtype
         self.stats = stats
         self.schedule = schedule  # for its trace
+        self.streams: Streams = schedule.streams
         self.sync_grads = True  # False while accumulating without reduction (see no_sync)
-        self._pending: list[tuple[Unit, Pending, list[int]]] = []
-        self._reduced: list[tuple[Unit, Tensor, list[int]]] = []  # waiting for the ranks' agreed used-mask
+        self._pending: list[tuple[Unit, Pending, list[int], list[Tensor], int]] = []
+        self._reduced: list[tuple[Unit, Tensor, list[int], int]] = []  # waiting for the ranks' agreed used-mask
+        self._reductions = 0  # numbers each reduction's buffers for the stream checker (a unit may reduce twice)
         self._done: set[int] = set()  # ids of units reduced in this backward
         self._trainable_check: Optional[Pending] = None  # the ranks' comparison of what they train, in flight
 
@@ -59,19 +62,27 @@ class GradientReducer:
             return
         self.check_trainable()
         self._done.add(id(unit))
-        flat, used = storage.take_unsharded_grads(self.reduce_dtype or storage.master_dtype)
-        if self.world_size > 1:
-            flat.div_(self.world_size)  # average like DDP: divide first, then sum
-        self.schedule.note("reduce", unit)
-        label = f"of unit {unit.name!r}'s gradients"
-        if storage.world_size > 1:
-            pending = collectives.reduce_scatter(flat, self.group, self.stats, async_op=True,
-                                                 label=f"reduce-scatter {label}")
-        elif self.world_size > 1:
-            pending = collectives.all_reduce(flat, self.group, self.stats, async_op=True, label=f"all-reduce {label}")
-        else:
-            pending = Pending(None, flat, self.stats)
-        self._pending.append((unit, pending, used))
+        streams, serial = self.streams, self._reductions
+        self._reductions += 1
+        streams.writes(("grads", serial))  # backward wrote them on compute
+        streams.handover("compute", "reduce")
+        with streams.on("reduce"):  # its temporaries are allocated, and freed, in the reduce stream's order
+            streams.reads(("grads", serial))
+            flat, used, grads = storage.take_unsharded_grads(self.reduce_dtype or storage.master_dtype)
+            if self.world_size > 1:
+                flat.div_(self.world_size)  # average like DDP: divide first, then sum
+            self.schedule.note("reduce", unit)
+            label = f"of unit {unit.name!r}'s gradients"
+            if storage.world_size > 1:
+                pending = collectives.reduce_scatter(flat, self.group, self.stats, async_op=True,
+                                                     label=f"reduce-scatter {label}")
+            elif self.world_size > 1:
+                pending = collectives.all_reduce(flat, self.group, self.stats, async_op=True,
+                                                 label=f"all-reduce {label}")
+            else:
+                pending = Pending(None, flat, self.stats)
+        # the gradients were allocated on compute: they live until compute has waited for the reduce stream
+        self._pending.append((unit, pending, used, grads, serial))
         while len(self._pending) > MAX_PENDING_REDUCTIONS:
             self._complete_oldest()
 
@@ -112,14 +123,14 @@ class GradientReducer:
         sizes = [len(unit.storage.slots) for unit in self.units]
         start = dict(zip(map(id, self.units), [sum(sizes[:i]) for i in range(len(sizes))]))
         used_anywhere = torch.zeros(sum(sizes), dtype=torch.int64)
-        for unit, _, used in reduced:
+        for unit, _, used, _ in reduced:
             used_anywhere[[start[id(unit)] + i for i in used]] = 1
         if self.world_size > 1:
             # the same collective also checks that the ranks train the same parameters (where one froze a
             # parameter the others train, its zeros were averaged in as a gradient), and that they reduced the
             # units in the same order (where a unit's backward ran on some ranks only, they summed unrelated
             # gradients)
-            order = collectives.fingerprint([self.units.index(unit) for unit, _, _ in reduced])
+            order = collectives.fingerprint([self.units.index(unit) for unit, *_ in reduced])
             trained = self._trained()
             device = self.units[0].storage.shard.device  # NCCL reduces device tensors only
             checks = torch.tensor([trained, -trained, order, -order])
@@ -134,23 +145,29 @@ class GradientReducer:
                     " unrelated gradients. A unit's backward ran on some ranks only (a loss term or a unit used"
                     " on some ranks' data only); every rank must run the same units' backward."
                 )
-        for unit, shard_grad, _ in reduced:
+        for unit, shard_grad, _, serial in reduced:
             flags = used_anywhere[start[id(unit)] : start[id(unit)] + len(unit.storage.slots)]
+            self.streams.reads(("reduced", serial))
             unit.storage.accumulate_shard_grad(shard_grad, flags.nonzero().flatten().tolist())
 
     def abandon(self) -> None:
         """A backward that raised on every rank at the same point: wait for what is in flight (the collectives
         were issued everywhere), keep nothing. A rank-local failure cannot be recovered: the other ranks
         wait in their next collective until the process group timeout turns it into an error."""
-        for _, pending, _ in self._pending:
-            pending.wait()
-        self._pending.clear()
+        while self._pending:
+            self._complete_oldest()
         self._reduced.clear()
         self._done.clear()
 
     def _complete_oldest(self) -> None:
-        unit, pending, used = self._pending.pop(0)
-        self._reduced.append((unit, pending.wait(), used))
+        unit, pending, used, grads, serial = self._pending.pop(0)
+        with self.streams.on("reduce"):
+            reduced = pending.wait()
+            self.streams.writes(("reduced", serial))
+        self.streams.handover("reduce", "compute")
+        self.streams.writes(("grads", serial))  # freed on compute, now that the reduce stream has read them
+        del grads
+        self._reduced.append((unit, reduced, used, serial))
 
     def first_nonfinite(self) -> Optional[Unit]:
         """The first unit with a non-finite gradient shard on any rank (all ranks get the same answer)."""
