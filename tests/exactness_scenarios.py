@@ -212,11 +212,18 @@ def sparse_saved_tensor(rank: int, world: int):
     return model.a.weight.grad is not None
 
 
-def optimizer_refused(rank: int, world: int, optimizer: str, declare: bool):
-    """A non-elementwise optimizer is refused at setup, naming it; a declared one trains."""
+class MyAdamW(torch.optim.AdamW):
+    """A user's own optimizer: its class decides its kind, not its base, so it must be declared."""
+
+
+def optimizer_refused(rank: int, world: int, optimizer: str, declare: str = ""):
+    """An optimizer neither known nor declared is refused at setup, naming it and how to declare it; a refused
+    one (LBFGS) says why; known and declared ones train."""
     import lightning as L
 
     from lightning_shard import ShardStrategy
+
+    cls = MyAdamW if optimizer == "MyAdamW" else getattr(torch.optim, optimizer)
 
     class Module(L.LightningModule):
         def __init__(self) -> None:
@@ -227,12 +234,11 @@ def optimizer_refused(rank: int, world: int, optimizer: str, declare: bool):
             return self.net(batch).sum()
 
         def configure_optimizers(self):
-            return getattr(torch.optim, optimizer)(self.parameters(), lr=1e-3)
+            return cls(self.parameters(), lr=1e-3)
 
-    declared = [getattr(torch.optim, optimizer)] if declare else []
-    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=ShardStrategy(elementwise_optimizers=declared),
-                        max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False)
+    strategy = ShardStrategy(**({f"{declare}_optimizers": [cls]} if declare else {}))
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     try:
         trainer.fit(Module(), torch.utils.data.DataLoader(torch.randn(8, 4), batch_size=2))
     except ValueError as err:

@@ -23,10 +23,10 @@ from tests.models import TinyGPT  # noqa: E402
 
 
 class LitGPT(L.LightningModule):
-    def __init__(self, manual: bool = False, clip: float | None = None) -> None:
+    def __init__(self, manual: bool = False, clip: float | None = None, optimizer: str = "adamw") -> None:
         super().__init__()
         self.model = TinyGPT()
-        self.automatic_optimization, self.clip = not manual, clip
+        self.automatic_optimization, self.clip, self.optimizer = not manual, clip, optimizer
         self.grad_norms: list[float] = []  # manual optimization: the total gradient norm before clipping
         self.val_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=37, average="micro")
         self.test_mean = torchmetrics.MeanMetric()
@@ -38,16 +38,20 @@ class LitGPT(L.LightningModule):
         self.log("train_loss", loss, sync_dist=True)
         self.step_losses.append(self.all_gather(loss.detach()).mean().item())
         if not self.automatic_optimization:
-            opt = self.optimizers()
-            opt.zero_grad()
+            opts, schedulers = self.optimizers(), self.lr_schedulers()
+            opts, schedulers = (opts, schedulers) if isinstance(opts, list) else ([opts], [schedulers])
+            for opt in opts:
+                opt.zero_grad()
             self.manual_backward(loss)
             strategy = self.trainer.strategy
             norms = strategy.grad_norm(2) if isinstance(strategy, ShardStrategy) else grad_norm(self, 2)
             self.grad_norms.append(norms["grad_2.0_norm_total"].item())
-            if self.clip is not None:
-                self.clip_gradients(opt, gradient_clip_val=self.clip, gradient_clip_algorithm="norm")
-            opt.step()
-            self.lr_schedulers().step()
+            for opt in opts:
+                if self.clip is not None:
+                    self.clip_gradients(opt, gradient_clip_val=self.clip, gradient_clip_algorithm="norm")
+                opt.step()
+            for scheduler in schedulers:
+                scheduler.step()
             # a second forward in the same step, after the optimizer changed the shards
             self.log("post_step_loss", TinyGPT.loss(self.model, tokens, batch_idx).detach(), sync_dist=True)
             return None
@@ -70,17 +74,18 @@ class LitGPT(L.LightningModule):
         return self.model(tokens[:, :-1]).argmax(-1)
 
     def configure_optimizers(self):
-        decay = [p for n, p in self.named_parameters() if p.dim() >= 2 or n.endswith("wpe")]
-        no_decay = [p for n, p in self.named_parameters() if not (p.dim() >= 2 or n.endswith("wpe"))]
-        # parameters are 1-D shards under ShardStrategy: groups are built from names, not shapes
-        if isinstance(self.trainer.strategy, ShardStrategy):
-            names = {n for n, p in LitGPT().named_parameters() if p.dim() >= 2 or n.endswith("wpe")}
-            decay = [p for n, p in self.named_parameters() if n in names]
-            no_decay = [p for n, p in self.named_parameters() if n not in names]
-        opt = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=1e-2
-        )
-        return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)]
+        # by shape, as nanoGPT and torch's Muon docs do: under ShardStrategy the parameters have their real
+        # shapes here too
+        matrices = [p for p in self.parameters() if p.dim() >= 2]
+        others = [p for p in self.parameters() if p.dim() < 2]
+        groups = [{"params": matrices, "weight_decay": 0.1}, {"params": others, "weight_decay": 0.0}]
+        if self.optimizer == "muon":  # Muon for the matrices, AdamW for the rest: two optimizers (manual)
+            opts = [torch.optim.Muon(matrices, lr=0.02, weight_decay=0.01), torch.optim.AdamW(others, lr=1e-2)]
+        elif self.optimizer == "adafactor":
+            opts = [torch.optim.Adafactor(groups, lr=1e-2)]
+        else:
+            opts = [torch.optim.AdamW(groups, lr=1e-2)]
+        return opts, [torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5) for opt in opts]
 
 
 class CrashAt(L.Callback):
@@ -101,7 +106,7 @@ def loader(seed: int, n: int = 96) -> DataLoader:
 
 def run(strategy, args, max_epochs: int, ckpt_dir: str, resume: str | None = None, crash_at: int | None = None) -> dict:
     torch.manual_seed(0)
-    module = LitGPT(manual=args.manual, clip=args.clip)
+    module = LitGPT(manual=args.manual, clip=args.clip, optimizer=args.optimizer)
     trainer = L.Trainer(
         accelerator="cpu", devices=args.devices, strategy=strategy, max_epochs=max_epochs,
         accumulate_grad_batches=1 if args.manual else args.accumulate,
@@ -130,6 +135,7 @@ def main() -> None:
     parser.add_argument("--clip", type=float, default=None)
     parser.add_argument("--clip-algorithm", default="norm")
     parser.add_argument("--manual", action="store_true")
+    parser.add_argument("--optimizer", default="adamw", choices=["adamw", "adafactor", "muon"])
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--resume", action="store_true", help="also run: 1 epoch, then resume to --epochs")
     parser.add_argument("--resume-from", default=None, help="resume the shard runs from this checkpoint")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests import exactness_scenarios as scenarios
 from tests.world import run_world
@@ -32,19 +33,28 @@ def test_sparse_saved_tensors_with_elision():
     assert run_world(scenarios.sparse_saved_tensor, 2, timeout=200) == [True, True]
 
 
-def test_non_elementwise_optimizer_is_refused_naming_it():
-    message = run_world(scenarios.optimizer_refused, 1, "Adafactor", False, timeout=200)[0]
-    assert "torch.optim.Adafactor is not known to update parameters elementwise" in message
-    assert "elementwise_optimizers=[Adafactor]" in message
-    assert run_world(scenarios.optimizer_refused, 1, "AdamW", False, timeout=200) == ["trained"]
-    assert run_world(scenarios.optimizer_refused, 1, "Adafactor", True, timeout=200) == ["trained"]
+def test_unknown_optimizers_are_refused_naming_how_to_declare_them():
+    message = run_world(scenarios.optimizer_refused, 1, "MyAdamW", timeout=200)[0]
+    assert "MyAdamW is not known to lightning_shard" in message
+    assert "elementwise_optimizers=[MyAdamW]" in message and "matrix_optimizers=[MyAdamW]" in message
+    assert "torch.optim.LBFGS cannot be sharded: it re-evaluates the loss" in run_world(
+        scenarios.optimizer_refused, 1, "LBFGS", timeout=200)[0]
+    assert run_world(scenarios.optimizer_refused, 1, "MyAdamW", "elementwise", timeout=200) == ["trained"]
+    assert run_world(scenarios.optimizer_refused, 1, "MyAdamW", "matrix", timeout=200) == ["trained"]
+    assert run_world(scenarios.optimizer_refused, 1, "Adafactor", timeout=200) == ["trained"]
 
 
-def test_elementwise_optimizers_option_is_checked():
+def test_optimizer_options_are_checked():
     from lightning_shard import ShardStrategy
 
     with pytest.raises(ValueError, match="`elementwise_optimizers` must be a list of torch.optim.Optimizer"):
         ShardStrategy(elementwise_optimizers=["AdamW"])
+    with pytest.raises(ValueError, match="`matrix_optimizers` must be a list of torch.optim.Optimizer"):
+        ShardStrategy(matrix_optimizers=[object])
+    with pytest.raises(ValueError, match="an optimizer is one or the other"):
+        ShardStrategy(elementwise_optimizers=[torch.optim.SGD], matrix_optimizers=[torch.optim.SGD])
+    with pytest.raises(ValueError, match="`step_group_size` must be an int >= 1"):
+        ShardStrategy(step_group_size=0)
 
 
 @pytest.mark.parametrize("mode", ["full", "none"])

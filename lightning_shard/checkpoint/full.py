@@ -1,9 +1,10 @@
 """Full (unsharded) model and optimizer state dicts in torch's ordinary format, gathered one unit at a time:
 no rank ever holds the whole model at once beyond the result it returns.
 
-The optimizer sees shard parameters, so its state tensors are 1-D slices of the full state. Any
-optimizer whose state is elementwise (SGD, Adam, AdamW, RMSprop, Adagrad, ...) round-trips exactly;
-a non-elementwise tensor state is refused with a clear error rather than silently mangled.
+An elementwise optimizer (SGD, Adam, AdamW, RMSprop, Adagrad, ...) holds 1-D slices of the full state,
+gathered here; a whole-parameter optimizer (Muon, Adafactor) holds each parameter's state whole on its owner
+rank, sent here to rank 0. Both round-trip exactly; a tensor state that is neither is refused with a clear
+error rather than silently mangled.
 """
 
 from __future__ import annotations
@@ -111,6 +112,14 @@ def full_optimizer_state_dict(runtime: ShardRuntime, optimizer: Optimizer, rank0
     local = optimizer.state_dict()
     index = _param_index(runtime, optimizer)
     state: dict[int, dict[str, Any]] = {}
+    spread = runtime.optimizers.whole_states(optimizer)
+    if spread is not None:  # whole-parameter states: each on its owner (spread) or on every rank
+        state = {index[id(p)][0]: {k: _to_cpu(v) for k, v in s.items()} for p, s in optimizer.state.items()}
+        if spread:
+            everyone: list = [None] * dist.get_world_size(runtime.group)
+            dist.all_gather_object(everyone, state, group=runtime.group)
+            state = {i: entry for theirs in everyone for i, entry in theirs.items()}
+        return {"state": dict(sorted(state.items())), "param_groups": local["param_groups"]} if keep else {}
     for unit in runtime.units:
         storage = unit.storage
         entries = [(s, p) for s, p in enumerate(storage.shard_params) if id(p) in index and p in optimizer.state]
@@ -156,9 +165,14 @@ def load_full_optimizer_state_dict(runtime: ShardRuntime, optimizer: Optimizer, 
     if n_saved != n_params:
         raise ValueError(f"Optimizer state holds {n_saved} parameters but the optimizer has {n_params}.")
     state = {}
+    whole = runtime.optimizers.whole_states(optimizer) is not None
+    params = {i: p for p in (p for g in optimizer.param_groups for p in g["params"]) for i in [index[id(p)][0]]}
     for i, u, s in index.values():
         saved = full["state"].get(i)
-        if saved is None:
+        if saved is None or not runtime.optimizers.holds_state(optimizer, params[i]):
+            continue
+        if whole:  # in the parameter's own shape, on its owner
+            state[i] = {k: v.clone() if isinstance(v, Tensor) else v for k, v in saved.items()}
             continue
         storage = runtime.units[u].storage
         slot = storage.slots[s]

@@ -3,8 +3,9 @@
 Each rank offers views of the shards it owns (see ``sharded_tensors``), keyed by parameter name:
 
 * ``state_dict.<name>``: parameters in their own shapes, and buffers;
-* ``optimizer_<i>.state.<name>.<key>``: elementwise optimizer states (sharded like their parameter)
-  and per-parameter scalars such as Adam's ``step``.
+* ``optimizer_<i>.state.<name>.<key>``: elementwise optimizer states (sharded like their parameter),
+  per-parameter scalars such as Adam's ``step``, and the states of whole-parameter optimizers (Muon,
+  Adafactor) in their own shapes, written by the parameter's owner rank and read by its owner on load.
 
 Parameter groups and other non-tensor optimizer state travel in the checkpoint's ``meta.pt`` with the
 parameters named, not numbered. Nothing refers to ranks, world size or units, so a checkpoint saved on N
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any, Union
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed.checkpoint import FileSystemWriter
@@ -134,8 +136,10 @@ def _named_groups(optimizer: Optimizer, names: dict[int, tuple[FlatShard, ParamS
 
 
 def optimizer_state(runtime: ShardRuntime, optimizer: Optimizer) -> dict[str, Any]:
-    """This rank's part of the optimizer state: ``tensors`` (DCP items, views) and the small rest."""
+    """This rank's part of the optimizer state: ``tensors`` (DCP items, views) and the small rest. Every rank
+    must call it (the owners' non-tensor state is gathered)."""
     names = _param_names(runtime)
+    whole = runtime.optimizers.whole_states(optimizer)
     tensors: dict[str, Any] = {}
     elementwise: set[str] = set()
     other: dict[str, dict[str, Any]] = {}
@@ -143,7 +147,9 @@ def optimizer_state(runtime: ShardRuntime, optimizer: Optimizer) -> dict[str, An
         for param, state in optimizer.state.items():
             storage, slot, name = names[id(param)]
             for key, value in state.items():
-                if isinstance(value, Tensor) and value.dim() > 0 and value.shape == param.shape:
+                if isinstance(value, Tensor) and whole is not None:
+                    tensors[f"{name}.{key}"] = value.detach()  # the owner's, in the parameter's shape
+                elif isinstance(value, Tensor) and value.dim() > 0 and value.shape == param.shape:
                     elementwise.add(key)
                     view = _view(storage, slot, value.detach())
                     if view is not None:
@@ -155,6 +161,10 @@ def optimizer_state(runtime: ShardRuntime, optimizer: Optimizer) -> dict[str, An
                                      f" of shape {tuple(param.shape)}: only elementwise optimizer states can be sharded.")
                 else:
                     other.setdefault(name, {})[key] = value
+    if whole:  # owners on several ranks: rank 0 writes every owner's non-tensor state into meta.pt
+        everyone: list = [None] * dist.get_world_size(runtime.group)
+        dist.all_gather_object(everyone, other, group=runtime.group)
+        other = {name: entry for theirs in everyone for name, entry in theirs.items()}
     return {"tensors": tensors, "param_groups": _named_groups(optimizer, names),
             "elementwise": sorted(elementwise), "other": other}
 
@@ -179,13 +189,16 @@ def load_optimizer_state(
         if k.startswith(prefix):
             name, key = k[len(prefix):].rsplit(".", 1)
             available.setdefault(name, {})[key] = md
-    elementwise = set(saved["elementwise"])
+    elementwise = set(saved["elementwise"]) if runtime.optimizers.whole_states(optimizer) is None else set()
     items: dict[str, Any] = {}
     state: dict[int, dict[str, Any]] = {}
     position = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
     with _quiet():
-        for pid, i in position.items():
-            storage, slot, name = names[pid]
+        for param in (p for g in optimizer.param_groups for p in g["params"]):
+            if not runtime.optimizers.holds_state(optimizer, param):
+                continue  # another rank owns it: that rank reads its state
+            i = position[id(param)]
+            storage, slot, name = names[id(param)]
             entry = dict(saved["other"].get(name, {}))
             for key, md in available.get(name, {}).items():
                 if key in elementwise:

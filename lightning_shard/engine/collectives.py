@@ -33,6 +33,7 @@ class CommStats:
     skipped_gathers: int = 0  # backward all-gathers found unnecessary (see ShardRuntime) and not issued
     agreements: int = 0  # tiny all-reduces by which the ranks share a decision (not counted as bytes above)
     broadcast_bytes: int = 0  # buffers (BatchNorm running stats ...) sent from rank 0
+    all_to_all_bytes: int = 0  # whole parameters to and from their owners (matrix optimizers), sent by this rank
 
     def as_dict(self) -> dict[str, float]:
         return dict(self.__dict__)
@@ -131,6 +132,14 @@ def all_reduce(flat: Tensor, group, stats: CommStats, async_op: bool = False, la
     stats.all_reduce_bytes += 2 * flat.numel() * flat.element_size()  # a reduce-scatter plus an all-gather
     launch = functools.partial(dist.all_reduce, flat, op=op, group=group)
     return _run(launch, flat, stats, async_op, label=label)
+
+
+def all_to_all(output: Tensor, flat: Tensor, output_splits: list[int], input_splits: list[int], group,
+               stats: CommStats, async_op: bool = False, label: str = "all-to-all") -> Pending:
+    """Rank ``r`` receives ``flat``'s ``input_splits[r]`` elements from every rank, in rank order, into ``output``."""
+    stats.all_to_all_bytes += flat.numel() * flat.element_size()
+    launch = functools.partial(dist.all_to_all_single, output, flat, output_splits, input_splits, group=group)
+    return _run(launch, output, stats, async_op, (flat,), label)
 
 
 def broadcast(flat: Tensor, group, stats: CommStats, label: str = "broadcast") -> Tensor:

@@ -34,6 +34,8 @@ from lightning_shard.engine import collectives, norms
 from lightning_shard.engine.collectives import CommStats
 from lightning_shard.engine.elision import BackwardElision
 from lightning_shard.engine.gather import GatherSchedule
+from lightning_shard.engine.optimizer_attach import OptimizerAttachment
+from lightning_shard.engine.optimizer_step import DEFAULT_STEP_GROUP_NUMEL, ShardedStep
 from lightning_shard.engine.reduce import GradientReducer
 from lightning_shard.engine.streams import streams_for
 from lightning_shard.engine.unit import Unit
@@ -93,6 +95,7 @@ class ShardRuntime:
         self._buffers_stale = False  # the ranks' buffers may differ (a training step updated them locally)
         self._steps_driven = False  # run_step is in use: a bare root forward is not a step
         self.undo: list[Callable[[], None]] = []  # restores what was wrapped at setup (activation checkpointing)
+        self.optimizers = OptimizerAttachment(units, group, self.world_size, self.stats)
         self._install_hooks()
 
     @property
@@ -195,6 +198,28 @@ class ShardRuntime:
             for buffer, value in zip(buffers, flat.split([b.numel() for b in buffers])):
                 buffer.copy_(value.view_as(buffer))
         self._buffers_stale = False
+
+    # -- optimizers (optimizer_attach.py, optimizer_step.py) ------------------------------------------
+    def shaped_parameters(self) -> Any:
+        """Inside, the model's parameters have their real shapes (meta placeholders): build optimizers here,
+        then :meth:`attach_optimizer` them."""
+        return self.optimizers.shaped_parameters()
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer, whole: bool = False,
+                         step_group_numel: int = DEFAULT_STEP_GROUP_NUMEL) -> ShardedStep:
+        """Give ``optimizer`` the shard parameters in place of placeholders, and its sharded step (``whole``:
+        each parameter stepped whole on an owner rank, for optimizers that are not elementwise)."""
+        return self.optimizers.attach(optimizer, whole, step_group_numel)
+
+    def step(self, optimizer: torch.optim.Optimizer, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """``optimizer.step(closure)`` for the sharded model (the optimizer must be attached), then
+        :meth:`after_optimizer_step`."""
+        sharded_step = self.optimizers.step_of(optimizer)
+        if sharded_step is None:
+            raise ValueError("lightning_shard: attach the optimizer first (`runtime.attach_optimizer(optimizer)`).")
+        loss = sharded_step(closure)
+        self.after_optimizer_step()
+        return loss
 
     def no_sync(self) -> Any:
         """Accumulate unsharded gradients locally, without reduction (costs a full gradient per unit)."""

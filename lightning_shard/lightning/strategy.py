@@ -56,7 +56,8 @@ from lightning_shard.checkpoint.io import (
 )
 from lightning_shard.engine.activation_checkpointing import CheckpointSpec, validate_activation_checkpointing
 from lightning_shard.engine.hooks import ShardRuntime
-from lightning_shard.engine.optimizers import check_optimizer, validate_elementwise_optimizers
+from lightning_shard.engine.optimizer_step import DEFAULT_STEP_GROUP_NUMEL
+from lightning_shard.engine.optimizers import WHOLE, optimizer_kind, validate_optimizer_classes
 from lightning_shard.engine.plan import UnitSpec, validate_unit_size, validate_units
 from lightning_shard.engine.shard_module import shard_module, validate_sharding
 from lightning_shard.lightning.plan_summary import plan_listing, plan_summary
@@ -98,8 +99,17 @@ class ShardStrategy(ParallelStrategy):
             (rank 0 writes one ordinary checkpoint file that loads into the plain LightningModule). Either
             kind loads on any number of ranks and under any unit policy; see ``lightning_shard.checkpoint.consolidate``.
         elementwise_optimizers: your own optimizer classes whose update of each element reads only that
-            element's gradient and state; ``torch.optim``'s elementwise ones are known already, any other
-            optimizer is refused at setup (it would step 1-D shards; see ``engine/optimizers.py``).
+            element's gradient and state: they step this rank's 1-D shards. ``torch.optim``'s elementwise ones
+            are known already.
+        matrix_optimizers: your own optimizer classes whose update of a parameter reads that whole parameter
+            (its shape, norms, row/column statistics: LAMB, LARS, Shampoo-like) and no other parameter: each
+            parameter is stepped whole, in its real shape, on one owner rank, which holds its state.
+            ``torch.optim.Muon`` and ``torch.optim.Adafactor`` are known already. An optimizer neither known nor
+            declared is refused at setup, naming both options (see ``engine/optimizers.py``).
+        step_group_size: parameter elements per rank that one optimizer step updates at once (DeepSpeed
+            ZeRO-3's ``sub_group_size``): the step runs group by group, so its temporaries are one group's, not
+            the model's, with the same numbers. Matrix optimizers exchange whole parameters per group, the next
+            group's exchange overlapping this one's update.
         timeout: bound on every collective (a ``timedelta`` or seconds): a dead or stuck rank turns into an
             error naming the collective and the unit on every other rank within it.
 
@@ -123,6 +133,8 @@ class ShardStrategy(ParallelStrategy):
         nonfinite: Optional[str] = None,
         state_dict_type: str = "sharded",
         elementwise_optimizers: Sequence[type] = (),
+        matrix_optimizers: Sequence[type] = (),
+        step_group_size: int = DEFAULT_STEP_GROUP_NUMEL,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -160,7 +172,16 @@ class ShardStrategy(ParallelStrategy):
         self.nonfinite = nonfinite
         self.state_dict_type = validate_state_dict_type(state_dict_type)
         self._told_how_to_load = False
-        self.elementwise_optimizers = validate_elementwise_optimizers(elementwise_optimizers)
+        self.elementwise_optimizers = validate_optimizer_classes("elementwise_optimizers", elementwise_optimizers)
+        self.matrix_optimizers = validate_optimizer_classes("matrix_optimizers", matrix_optimizers)
+        both = set(self.elementwise_optimizers) & set(self.matrix_optimizers)
+        if both:
+            raise ValueError(f"{sorted(c.__name__ for c in both)} declared both in `elementwise_optimizers` and in"
+                             " `matrix_optimizers`: an optimizer is one or the other.")
+        if isinstance(step_group_size, bool) or not isinstance(step_group_size, int) or step_group_size < 1:
+            raise ValueError(f"`step_group_size` must be an int >= 1 (parameter elements per rank stepped at once),"
+                             f" got {step_group_size!r}.")
+        self.step_group_size = step_group_size
         if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
             timeout = timedelta(seconds=timeout)
         if timeout is not None and not isinstance(timeout, timedelta):
@@ -292,12 +313,18 @@ class ShardStrategy(ParallelStrategy):
             )
 
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:
+        """``configure_optimizers`` sees the parameters in their real shapes (placeholders: ``p.ndim`` rules for
+        weight decay or for Muon work as without sharding); each optimizer then gets the shard parameters and
+        its sharded step."""
+        assert self.runtime is not None
         self._reset_optimizers_and_schedulers()  # references to parameters of an earlier setup are stale
-        super().setup_optimizers(trainer)
+        with self.runtime.shaped_parameters():
+            super().setup_optimizers(trainer)
         for optimizer in self.optimizers:
             optimizer = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
             if not isinstance(optimizer, _MockOptimizer):  # configure_optimizers returned None
-                check_optimizer(optimizer, self.elementwise_optimizers)
+                kind = optimizer_kind(optimizer, self.elementwise_optimizers, self.matrix_optimizers)
+                self.runtime.attach_optimizer(optimizer, whole=kind == WHOLE, step_group_numel=self.step_group_size)
 
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -343,8 +370,10 @@ class ShardStrategy(ParallelStrategy):
                 yield
 
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
         assert self.runtime is not None
+        inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        with self.runtime.optimizers.stepping(inner):  # the step Lightning (or its gradient scaler) calls
+            output = super().optimizer_step(optimizer, closure, model, **kwargs)
         self.runtime.after_optimizer_step()
         self._log_comm_stats()
         return output

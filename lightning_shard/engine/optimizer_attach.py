@@ -1,0 +1,109 @@
+"""Optimizers of a sharded model: built against the parameters' real shapes, then attached to the shards.
+
+Between steps the model's parameters are 1-D shards, and an optimizer built from them would see the wrong
+shapes: ``torch.optim.Muon`` refuses them, and the common ``p.ndim >= 2`` rule for weight decay (nanoGPT,
+torch's Muon docs) would silently put every parameter in the no-decay group. So the optimizer is built inside
+:meth:`OptimizerAttachment.shaped_parameters`, where the tree holds full-shape placeholders (meta tensors with
+each parameter's name, shape, dtype and ``requires_grad``), and :meth:`OptimizerAttachment.attach` then puts
+the shard parameters in their place and prepares its sharded step (``optimizer_step.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Optional
+
+import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_shard.engine.collectives import CommStats
+from lightning_shard.engine.optimizer_step import DEFAULT_STEP_GROUP_NUMEL, ShardedStep
+from lightning_shard.engine.unit import Unit
+
+
+class OptimizerAttachment:
+    def __init__(self, units: list[Unit], group: Optional[dist.ProcessGroup], world: int, stats: CommStats) -> None:
+        self.units = units
+        self.group = group
+        self.world = world
+        self.stats = stats
+        self._placeholders: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id -> (placeholder, shard)
+
+    @contextmanager
+    def shaped_parameters(self) -> Iterator[None]:
+        """Inside, ``model.parameters()`` / ``named_parameters()`` give full-shape placeholders on the meta
+        device: build optimizers there, then :meth:`attach` them."""
+        held, self._placeholders = [], {}
+        for unit in self.units:
+            storage = unit.storage
+            for slot, shard in zip(storage.slots, storage.shard_params):
+                placeholder = nn.Parameter(shard.new_empty(slot.shape, device="meta"), requires_grad=shard.requires_grad)
+                self._placeholders[id(placeholder)] = (placeholder, shard)
+                for module, attr in slot.locations:
+                    held.append((module, attr, module._parameters[attr]))
+                    module._parameters[attr] = placeholder
+        try:
+            yield
+        finally:
+            for module, attr, param in reversed(held):
+                module._parameters[attr] = param
+
+    def attach(self, optimizer: Optimizer, whole: bool = False,
+               step_group_numel: int = DEFAULT_STEP_GROUP_NUMEL) -> ShardedStep:
+        """Replace the placeholders ``optimizer`` holds by the shard parameters, and return its sharded step
+        (``whole``: the optimizer steps whole parameters, each on its owner rank)."""
+        if any(self._is_placeholder(p) for p in optimizer.state):
+            cls = type(optimizer).__name__
+            raise ValueError(f"lightning_shard: {cls} created optimizer state when it was built; it cannot be"
+                             " sharded. Build its state in `step` (as torch's optimizers do).")
+        for group in optimizer.param_groups:
+            params = group["params"]
+            for i, param in enumerate(params):
+                if self._is_placeholder(param):
+                    params[i] = self._placeholders[id(param)][1]  # in place: the optimizer may hold the list
+        where = {id(shard): (u, unit.storage, s) for u, unit in enumerate(self.units)
+                 for s, shard in enumerate(unit.storage.shard_params)}
+        step = ShardedStep(optimizer, whole, where, self.group, self.world, self.stats, step_group_numel)
+        optimizer._shard_step = step  # kept by the optimizer: it lives as long as the optimizer
+        return step
+
+    @staticmethod
+    def step_of(optimizer: Optimizer) -> Optional[ShardedStep]:
+        return getattr(optimizer, "_shard_step", None)
+
+    def whole_states(self, optimizer: Optimizer) -> Optional[bool]:
+        """None for an elementwise optimizer (each rank holds its shards' state); for a whole-parameter one,
+        whether its states are spread over owner ranks (True) or held whole by every rank (False)."""
+        step = self.step_of(optimizer)
+        if step is None or not step.whole:
+            return None
+        return any(step.owner(p) is not None for group in optimizer.param_groups for p in group["params"])
+
+    def holds_state(self, optimizer: Optimizer, param: nn.Parameter) -> bool:
+        """Whether this rank holds ``param``'s optimizer state: its owner, or every rank."""
+        step = self.step_of(optimizer)
+        owner = step.owner(param) if step is not None else None
+        return owner is None or owner == (dist.get_rank(self.group) if self.world > 1 else 0)
+
+    @contextmanager
+    def stepping(self, optimizer: Optimizer) -> Iterator[None]:
+        """``optimizer.step`` is the sharded step inside (what Lightning, or a gradient scaler, calls)."""
+        step = self.step_of(optimizer)
+        if step is None:
+            yield
+            return
+        had = optimizer.__dict__.get("step")
+        optimizer.step = step  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            if had is None:
+                del optimizer.__dict__["step"]
+            else:
+                optimizer.step = had  # type: ignore[method-assign]
+
+    def _is_placeholder(self, param: object) -> bool:
+        entry = self._placeholders.get(id(param))
+        return entry is not None and entry[0] is param

@@ -1,0 +1,224 @@
+"""Scenarios for test_matrix_optimizers.py, run inside a gloo world: optimizers whose update reads whole
+parameters (Muon, Adafactor, a LAMB written here) against DDP with the same optimizer on full tensors."""
+
+from __future__ import annotations
+
+import copy
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from lightning_shard.checkpoint.full import full_state_dict
+from lightning_shard.engine.optimizers import optimizer_kind
+from lightning_shard.engine.shard_module import shard_module
+from tests import models
+
+
+class Lamb(torch.optim.Optimizer):
+    """LAMB (You et al. 2019): Adam's update scaled per parameter by ``||w|| / ||update||``. Its ``step`` count is a
+    Python int, non-tensor state that checkpoints must carry too."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+                state["step"] += 1
+                m, v = state["exp_avg"], state["exp_avg_sq"]
+                m.mul_(beta1).add_(p.grad, alpha=1 - beta1)
+                v.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+                update = (m / (1 - beta1 ** state["step"])) / ((v / (1 - beta2 ** state["step"])).sqrt() + group["eps"])
+                update.add_(p, alpha=group["weight_decay"])
+                w_norm, u_norm = float(p.norm()), float(update.norm())
+                trust = w_norm / u_norm if w_norm > 0 and u_norm > 0 else 1.0
+                p.add_(update, alpha=-group["lr"] * trust)
+        return loss
+
+
+def decay_groups(params: list[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict]:
+    decay = [p for n, p in params if p.requires_grad and p.ndim >= 2]  # shapes, as nanoGPT: the placeholders' job
+    rest = [p for n, p in params if p.requires_grad and p.ndim < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+
+
+def orthogonalise_in_fp32() -> None:
+    """torch's Muon runs its Newton-Schulz iteration in bf16, where a 1-ulp difference in a gradient (a clipping
+    coefficient computed from shards rather than from whole tensors) can round differently and grow step by step.
+    In fp32 the same code keeps such differences at rounding level, so the comparison with DDP is tight."""
+    import torch.optim._muon as muon
+
+    def newton_schulz(grad, ns_coefficients, ns_steps, eps):
+        a, b, c = ns_coefficients
+        x = grad.T if grad.size(0) > grad.size(1) else grad.clone()
+        x = x / x.norm().clamp(min=eps)
+        for _ in range(ns_steps):
+            gram = x @ x.T
+            x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+        return x.T if grad.size(0) > grad.size(1) else x
+
+    muon._zeropower_via_newtonschulz = newton_schulz
+
+
+def build_optimizers(model: nn.Module, name: str) -> list[torch.optim.Optimizer]:
+    """As a user writes them, from names and shapes: Muon for the 2-D weights with AdamW for the rest (torch's
+    Muon docs), Adafactor, LAMB, each with weight-decay groups."""
+    named = list(model.named_parameters())
+    if name in ("muon", "muon_bf16"):
+        matrices = [(n, p) for n, p in named if p.ndim == 2]
+        others = [(n, p) for n, p in named if p.ndim != 2]
+        return [torch.optim.Muon([p for _, p in matrices], lr=0.02, weight_decay=0.01),
+                torch.optim.AdamW(decay_groups(others, 0.1), lr=1e-2)]
+    if name == "adafactor":
+        return [torch.optim.Adafactor(decay_groups(named, 0.01), lr=1e-2)]
+    if name == "lamb":
+        return [Lamb(decay_groups(named, 0.01), lr=1e-2)]
+    raise ValueError(name)
+
+
+def train(model, optimizers, batches, rank, world, clip=None, runtime=None):
+    losses = []
+    for step, batch in enumerate(batches):
+        loss = models.TinyGPT.loss(model, batch.chunk(world)[rank], step)
+        loss.backward()
+        params = [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
+        if clip is not None and runtime is None:
+            torch.nn.utils.clip_grad_norm_(params, clip)
+        elif clip is not None:
+            runtime.clip_grad_norm_(params, clip)
+        for opt in optimizers:
+            opt.step() if runtime is None else runtime.step(opt)
+            opt.zero_grad(set_to_none=True)
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append((total / world).item())
+    return losses
+
+
+def state_bytes(optimizers) -> int:
+    return sum(v.numel() * v.element_size() for opt in optimizers for s in opt.state.values() for v in s.values()
+               if isinstance(v, torch.Tensor) and v.dim() > 0)
+
+
+def parity(rank: int, world: int, name: str, modes=("full", "grad_op", "none"), steps: int = 20,
+           clip: Optional[float] = 0.5) -> dict:
+    if name == "muon":
+        orthogonalise_in_fp32()
+    g = torch.Generator().manual_seed(1234)
+    batches = [models.TinyGPT.batch(g, 12) for _ in range(steps)]
+    report = {}
+    for mode in modes:
+        torch.manual_seed(0)
+        reference = models.TinyGPT(d=16, n_blocks=3)
+        sharded = copy.deepcopy(reference)
+        ddp = DDP(reference)
+        ref_opts = build_optimizers(reference, name)
+        expected_losses = train(ddp, ref_opts, batches, rank, world, clip)
+
+        runtime = shard_module(sharded, sharding=mode)
+        with runtime.shaped_parameters():
+            opts = build_optimizers(sharded, name)
+        for opt in opts:
+            runtime.attach_optimizer(opt, whole=optimizer_kind(opt, whole=[Lamb]) == "whole")
+        losses = train(sharded, opts, batches, rank, world, clip, runtime)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"[{name}/{mode}] per-step losses differ from DDP: {m}")
+        full = full_state_dict(runtime, rank0_only=False)
+        for key, value in reference.state_dict().items():
+            torch.testing.assert_close(full[key], value, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, k=key: f"[{name}/{mode}] parameter {k}: {m}")
+        report[mode] = {"losses": losses, "state_bytes": state_bytes(opts), "ddp_state_bytes": state_bytes(ref_opts),
+                        "largest_param_bytes": max(p.numel() * 4 for p in reference.parameters())}
+    return report
+
+
+def _sharded(name: str, seed: int, world: int, **policy) -> tuple[nn.Module, object, list[torch.optim.Optimizer]]:
+    torch.manual_seed(seed)
+    model = models.TinyGPT(d=16, n_blocks=3)
+    runtime = shard_module(model, **policy)
+    with runtime.shaped_parameters():
+        optimizers = build_optimizers(model, name)
+    for opt in optimizers:
+        runtime.attach_optimizer(opt, whole=optimizer_kind(opt, whole=[Lamb]) == "whole")
+    return model, runtime, optimizers
+
+
+def _batches(seed: int, n: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [models.TinyGPT.batch(g, 12) for _ in range(n)]
+
+
+def save_then_continue(rank: int, world: int, names: list[str], path: str, state_dict_type: str) -> dict:
+    """Per optimizer: 3 steps, save, 2 more steps. Returns the full optimizer states saved and the 2 losses."""
+    from pathlib import Path
+
+    from lightning_shard.checkpoint import sharded
+    from lightning_shard.checkpoint.full import full_optimizer_state_dict
+    from lightning_shard.checkpoint.io import save_sharded
+
+    orthogonalise_in_fp32()
+    report = {}
+    for name in names:
+        model, runtime, opts = _sharded(name, 0, world)
+        train(model, opts, _batches(1, 3), rank, world, 0.5, runtime)
+        full = [full_optimizer_state_dict(runtime, opt, rank0_only=False) for opt in opts]
+        if state_dict_type == "sharded":
+            save_sharded({"state_dict": sharded.model_state(runtime),
+                          "optimizer_states": [sharded.optimizer_state(runtime, opt) for opt in opts]},
+                         Path(path) / name)
+        else:
+            weights = full_state_dict(runtime, rank0_only=False)
+            if rank == 0:
+                torch.save({"state_dict": weights, "optimizer_states": full}, Path(path) / f"{name}.ckpt")
+        dist.barrier()
+        report[name] = {"optimizers": full, "after": train(model, opts, _batches(2, 2), rank, world, 0.5, runtime),
+                        "state_bytes": state_bytes(opts)}
+    return report
+
+
+def load_then_continue(rank: int, world: int, names: list[str], path: str, state_dict_type: str) -> dict:
+    """A differently seeded model with other units: load, report the full optimizer states, train 2 steps."""
+    from pathlib import Path
+
+    from lightning_shard.checkpoint import sharded
+    from lightning_shard.checkpoint.full import (
+        full_optimizer_state_dict,
+        load_full_optimizer_state_dict,
+        load_full_state_dict,
+    )
+    from lightning_shard.checkpoint.io import open_checkpoint
+
+    orthogonalise_in_fp32()
+    report = {}
+    for name in names:
+        model, runtime, opts = _sharded(name, 99, world, unit_size=900)
+        if state_dict_type == "sharded":
+            checkpoint = open_checkpoint(Path(path) / name)
+            source = checkpoint["state_dict"]
+            sharded.load_model_state(runtime, source.directory, source.metadata)
+            for i, opt in enumerate(opts):
+                sharded.load_optimizer_state(runtime, opt, i, checkpoint["optimizer_states"][i], source.directory,
+                                             source.metadata)
+        else:
+            checkpoint = torch.load(Path(path) / f"{name}.ckpt", weights_only=True)
+            load_full_state_dict(runtime, checkpoint["state_dict"])
+            for opt, state in zip(opts, checkpoint["optimizer_states"]):
+                load_full_optimizer_state_dict(runtime, opt, state)
+        report[name] = {"optimizers": [full_optimizer_state_dict(runtime, opt, rank0_only=False) for opt in opts],
+                        "after": train(model, opts, _batches(2, 2), rank, world, 0.5, runtime),
+                        "state_bytes": state_bytes(opts)}
+    return report
