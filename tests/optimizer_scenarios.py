@@ -85,6 +85,8 @@ def build_optimizers(model: nn.Module, name: str) -> list[torch.optim.Optimizer]
                 torch.optim.AdamW(decay_groups(others, 0.1), lr=1e-2)]
     if name == "adafactor":
         return [torch.optim.Adafactor(decay_groups(named, 0.01), lr=1e-2)]
+    if name == "adamw":
+        return [torch.optim.AdamW(decay_groups(named, 0.1), lr=1e-2)]
     if name == "lamb":
         return [Lamb(decay_groups(named, 0.01), lr=1e-2)]
     raise ValueError(name)
@@ -109,13 +111,20 @@ def train(model, optimizers, batches, rank, world, clip=None, runtime=None):
     return losses
 
 
-def state_bytes(optimizers) -> int:
-    return sum(v.numel() * v.element_size() for opt in optimizers for s in opt.state.values() for v in s.values()
-               if isinstance(v, torch.Tensor) and v.dim() > 0)
+def state_bytes(optimizers, per_param: bool = False):
+    sizes = [sum(v.numel() * v.element_size() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+             for opt in optimizers for s in opt.state.values()]
+    return sizes if per_param else sum(sizes)
+
+
+def parity_all(rank: int, world: int, names: list[str], group_numel: int) -> dict:
+    """Every optimizer in one world; torch's own Muon (bf16 orthogonalisation) without clipping, the rest with."""
+    return {name: parity(rank, world, name, clip=None if name == "muon_bf16" else 0.5, group_numel=group_numel)
+            for name in names}
 
 
 def parity(rank: int, world: int, name: str, modes=("full", "grad_op", "none"), steps: int = 20,
-           clip: Optional[float] = 0.5) -> dict:
+           clip: Optional[float] = 0.5, group_numel: int = 2**25) -> dict:
     if name == "muon":
         orthogonalise_in_fp32()
     g = torch.Generator().manual_seed(1234)
@@ -133,7 +142,7 @@ def parity(rank: int, world: int, name: str, modes=("full", "grad_op", "none"), 
         with runtime.shaped_parameters():
             opts = build_optimizers(sharded, name)
         for opt in opts:
-            runtime.attach_optimizer(opt, whole=optimizer_kind(opt, whole=[Lamb]) == "whole")
+            runtime.attach_optimizer(opt, optimizer_kind(opt, whole=[Lamb]) == "whole", group_numel)
         losses = train(sharded, opts, batches, rank, world, clip, runtime)
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=1e-5, atol=1e-6,
                                    msg=lambda m: f"[{name}/{mode}] per-step losses differ from DDP: {m}")
@@ -142,7 +151,8 @@ def parity(rank: int, world: int, name: str, modes=("full", "grad_op", "none"), 
             torch.testing.assert_close(full[key], value, rtol=1e-5, atol=1e-6,
                                        msg=lambda m, k=key: f"[{name}/{mode}] parameter {k}: {m}")
         report[mode] = {"losses": losses, "state_bytes": state_bytes(opts), "ddp_state_bytes": state_bytes(ref_opts),
-                        "largest_param_bytes": max(p.numel() * 4 for p in reference.parameters())}
+                        "largest_param_state": max(state_bytes(ref_opts, per_param=True)),
+                        "groups": [len(runtime.optimizers.step_of(opt).plan().buckets) for opt in opts]}
     return report
 
 
@@ -222,3 +232,30 @@ def load_then_continue(rank: int, world: int, names: list[str], path: str, state
                         "after": train(model, opts, _batches(2, 2), rank, world, 0.5, runtime),
                         "state_bytes": state_bytes(opts)}
     return report
+
+
+def mixed_precision(rank: int, world: int) -> dict:
+    """bf16 gathers and compute, fp32 masters: owners step fp32 values with fp32 state; a non-finite step is
+    skipped on every rank (``nonfinite="skip"``), the owners included."""
+    torch.manual_seed(0)
+    model = models.TinyGPT(d=16, n_blocks=3)
+    runtime = shard_module(model, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, nonfinite="skip")
+    with runtime.shaped_parameters():
+        opts = build_optimizers(model, "muon")
+    runtime.attach_optimizer(opts[0], whole=True)
+    runtime.attach_optimizer(opts[1])
+    batches = _batches(3, 12)
+    losses = train(model, opts, batches[:10], rank, world, 0.5, runtime)
+    before = full_state_dict(runtime, rank0_only=False)
+    loss = models.TinyGPT.loss(model, batches[10].chunk(world)[rank], 0) * float("nan")  # a NaN loss on every rank
+    loss.backward()
+    for opt in opts:
+        runtime.step(opt)
+        opt.zero_grad(set_to_none=True)
+    after = full_state_dict(runtime, rank0_only=False)
+    return {"losses": losses, "skipped": runtime.skipped_steps,
+            "unchanged": all(torch.equal(before[k], after[k]) for k in before),
+            "shard_dtypes": sorted({str(u.storage.shard.dtype) for u in runtime.units}),
+            "gathered_dtypes": sorted({str(u.storage.gathered.dtype) for u in runtime.units}),
+            "state_dtypes": sorted({str(v.dtype) for opt in opts for s in opt.state.values() for k, v in s.items()
+                                    if isinstance(v, torch.Tensor) and k != "step"})}
