@@ -19,6 +19,7 @@ def estimate_config(cfg: Any) -> tuple[MemoryEstimate, int]:
     from hydra.utils import instantiate
 
     from lightning_shard.app.train import build_data_and_model
+    from lightning_shard.engine.optimizers import WHOLE_PARAMETER_OPTIMIZERS
     from lightning_shard.lightning.precision import ShardPrecision
 
     with torch.device("meta"):  # the model's parameters are never allocated
@@ -37,6 +38,8 @@ def estimate_config(cfg: Any) -> tuple[MemoryEstimate, int]:
         step=lambda m, b: m.training_step(b, 0), batch=batch,
         activation_checkpointing=strategy.activation_checkpointing,
         device="cuda" if cfg.trainer.accelerator in ("gpu", "cuda") else "cpu",
+        whole=optimizer in WHOLE_PARAMETER_OPTIMIZERS or optimizer in tuple(strategy.matrix_optimizers),
+        step_group_numel=strategy.step_group_size,
     )
     return estimate, world
 

@@ -16,6 +16,7 @@ the gathered parameters (and anything autograd saved of them) stay valid after a
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -76,8 +77,10 @@ class FlatShard:
         self.free()  # views exist now; the storage comes back at the first gather
         self.trainable = [i for i, s in enumerate(slots) if s.requires_grad]
         self.requires_grad = [s.requires_grad for s in slots]  # as last synced (see sync_requires_grad)
-        self.shard_grad: Optional[Tensor] = None
-        self._shard_grad_views: dict[int, Tensor] = {}
+        # the flat gradient shard and the shard parameters' ``.grad`` views of it, held weakly: the parameters'
+        # ``.grad`` keep it alive, so ``zero_grad(set_to_none=True)`` frees it as it does without sharding
+        self._shard_grad: Optional[weakref.ref] = None
+        self._shard_grad_views: dict[int, weakref.ref] = {}
 
     # -- layout -------------------------------------------------------------------------------------
     def param_range(self, slot: ParamSlot, rank: int) -> tuple[int, int]:
@@ -176,16 +179,22 @@ class FlatShard:
             pieces.append(self.shard.new_zeros(padding, dtype=dtype))
         return torch.cat(pieces), used, taken
 
+    @property
+    def shard_grad(self) -> Optional[Tensor]:
+        """This rank's flat gradient shard, while some shard parameter's ``.grad`` still views it."""
+        return self._shard_grad() if self._shard_grad is not None else None
+
     def grads_finite(self) -> Tensor:
         """Whether this rank's gradient shard is finite: a 0-dim flag on its device (no host sync here)."""
-        if self.shard_grad is None:
+        shard_grad = self.shard_grad
+        if shard_grad is None:
             return torch.ones((), dtype=torch.bool, device=self.shard.device)
-        return torch.isfinite(self.shard_grad).all()
+        return torch.isfinite(shard_grad).all()
 
     def clear_grads(self) -> None:
         for param in self.shard_params:
             param.grad = None
-        self.shard_grad, self._shard_grad_views = None, {}
+        self._shard_grad, self._shard_grad_views = None, {}
 
     def accumulate_shard_grad(self, reduced: Tensor, used: list[int]) -> None:
         """Add this rank's reduced gradient shard to the shard parameters' ``.grad``.
@@ -196,12 +205,13 @@ class FlatShard:
         """
         reduced = reduced.to(self.master_dtype)
         views = self._shard_grad_views
+        shard_grad = self.shard_grad
         if (
-            self.shard_grad is not None
+            shard_grad is not None
             and all(i in views for i in used)
-            and all(self.shard_params[i].grad is v for i, v in views.items())
+            and all(self.shard_params[i].grad is v() for i, v in views.items())
         ):
-            self.shard_grad.add_(reduced)
+            shard_grad.add_(reduced)
             return
         new_views = {}
         for i in self.trainable:
@@ -213,8 +223,8 @@ class FlatShard:
             if param.grad is not None:
                 view.add_(param.grad)
             param.grad = view
-            new_views[i] = view
-        self.shard_grad, self._shard_grad_views = reduced, new_views
+            new_views[i] = weakref.ref(view)
+        self._shard_grad, self._shard_grad_views = weakref.ref(reduced), new_views
 
 
 def _refuse_autograd_grads(shard: nn.Parameter, slot: ParamSlot) -> None:

@@ -80,8 +80,11 @@ class ShardRuntime:
         self.steps_done = 0
         self.skipped_steps = 0
         self.stats = CommStats()
-        self._last_step_stats: dict[str, float] = {}
-        self._unmeasured_step: Optional[list] = None  # a closed step whose exposed time the device still knows
+        # the last training step's figures: one part per optimizer step (manual optimization may step several),
+        # each with what the device still knows of its exposed time; summed when read
+        self._step_parts: list[tuple[dict[str, float], Optional[list]]] = []
+        self._last_step_stats: Optional[dict[str, float]] = None
+        self._training_forward_since_step = True
         device = units[0].storage.shard.device if units else torch.device("cpu")
         self.streams = streams_for(device, check=os.environ.get(CHECK_STREAMS) == "1")
         self.schedule = GatherSchedule(group, self.stats, prefetch, self.streams)
@@ -144,6 +147,8 @@ class ShardRuntime:
                     self.sync_buffers()
                 # DDP's broadcast_buffers: the next step starts from rank 0's buffers if this one may change them
                 self._buffers_stale = torch.is_grad_enabled() and self.reducer.sync_grads
+            if torch.is_grad_enabled():
+                self._training_forward_since_step = True
             if self.root_unit is not None:
                 self.schedule.gather(self.root_unit)
             self.schedule.start_forward()
@@ -164,8 +169,11 @@ class ShardRuntime:
         """Close the step's communication figures; re-gather units still gathered (manual optimization),
         since the optimizer changed their shards."""
         self.streams.writes(*(("shard", unit.name) for unit in self.units))  # the optimizer, on compute
-        self._last_step_stats = self.stats.as_dict()
-        self._unmeasured_step = self.streams.close_step()
+        if self._training_forward_since_step:  # else another optimizer of the same step (manual optimization)
+            self._step_parts = []
+        self._step_parts.append((self.stats.as_dict(), self.streams.close_step()))
+        self._training_forward_since_step = False
+        self._last_step_stats = None
         self.stats.reset()
         self.steps_done += 1
         self.refresh_gathered()
@@ -174,9 +182,14 @@ class ShardRuntime:
     def last_step_stats(self) -> dict[str, float]:
         """The last step's communication figures. On a GPU, ``exposed_seconds`` is the time the compute stream
         waited for the gather and reduce streams, measured by CUDA events (reading it waits for that step)."""
-        if self._unmeasured_step is not None:
-            self._last_step_stats["exposed_seconds"] = self.streams.exposed_seconds(self._unmeasured_step)
-            self._unmeasured_step = None
+        if self._last_step_stats is None:
+            total: dict[str, float] = {}
+            for stats, closed in self._step_parts:
+                if closed is not None:
+                    stats = {**stats, "exposed_seconds": self.streams.exposed_seconds(closed)}
+                for key, value in stats.items():
+                    total[key] = total.get(key, 0) + value
+            self._last_step_stats = total
         return self._last_step_stats
 
     def refresh_gathered(self) -> None:
@@ -459,8 +472,8 @@ class ShardRuntime:
         unit.backward_pending -= 1
         if unit.backward_pending > 0:  # another call of this unit still runs its backward
             return
+        self.schedule.reshard(unit)  # first: its gathered buffer is free before its gradients are flattened
         self.reducer.reduce(unit)
-        self.schedule.reshard(unit)
 
     def _start_backward(self) -> None:
         if not self._final_callback_queued:

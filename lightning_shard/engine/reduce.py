@@ -1,8 +1,9 @@
 """Gradient reduction: each unit's gradients reduce-scattered (async) once its backward is done, so every
 rank keeps only the gradient of the shard it owns, averaged over ranks like DDP.
 
-At most ``MAX_PENDING_REDUCTIONS`` reductions are in flight: each holds a unit's full gradient until it
-completes, and unbounded they would hold the whole model's by the end of backward.
+One reduction is in flight while the next unit's backward computes: each holds a unit's flattened gradient
+until it completes (unbounded, they would hold the whole model's by the end of backward), and the next unit's
+is flattened only once it has completed, so a rank holds at most one unit's gradients twice.
 
 Which collectives run and which gradients count is never one rank's local view: every unit with trainable
 parameters is reduced once per backward on every rank (a unit that got no gradient here contributes
@@ -25,7 +26,7 @@ from lightning_shard.engine.gather import GatherSchedule
 from lightning_shard.engine.streams import Streams
 from lightning_shard.engine.unit import Unit
 
-MAX_PENDING_REDUCTIONS = 2  # one overlapping the next unit's backward, one completing
+MAX_PENDING_REDUCTIONS = 1  # overlapping the next unit's backward
 
 
 class GradientReducer:
@@ -39,7 +40,7 @@ class GradientReducer:
         self.schedule = schedule  # for its trace
         self.streams: Streams = schedule.streams
         self.sync_grads = True  # False while accumulating without reduction (see no_sync)
-        self._pending: list[tuple[Unit, Pending, list[int], list[Tensor], int]] = []
+        self._pending: list[tuple[Unit, Pending, list[int], int]] = []
         self._reduced: list[tuple[Unit, Tensor, list[int], int]] = []  # waiting for the ranks' agreed used-mask
         self._reductions = 0  # numbers each reduction's buffers for the stream checker (a unit may reduce twice)
         self._done: set[int] = set()  # ids of units reduced in this backward
@@ -62,6 +63,8 @@ class GradientReducer:
             return
         self.check_trainable()
         self._done.add(id(unit))
+        while len(self._pending) >= MAX_PENDING_REDUCTIONS:  # before this unit's flattened copy is allocated
+            self._complete_oldest()
         streams, serial = self.streams, self._reductions
         self._reductions += 1
         streams.writes(("grads", serial))  # backward wrote them on compute
@@ -81,10 +84,12 @@ class GradientReducer:
                                                  label=f"all-reduce {label}")
             else:
                 pending = Pending(None, flat, self.stats)
-        # the gradients were allocated on compute: they live until compute has waited for the reduce stream
-        self._pending.append((unit, pending, used, grads, serial))
-        while len(self._pending) > MAX_PENDING_REDUCTIONS:
-            self._complete_oldest()
+        # the gradients were allocated on compute and read (flattened) on reduce: freed once compute has waited for
+        # that read, not for the collective, so that a unit's unsharded gradients do not outlive their copy
+        streams.handover("reduce", "compute")
+        streams.writes(("grads", serial))
+        del grads
+        self._pending.append((unit, pending, used, serial))
 
     def compare_trainable(self) -> None:
         """Start comparing the parameters the ranks train (a step's start, before anything is reduced): which units
@@ -160,13 +165,11 @@ class GradientReducer:
         self._done.clear()
 
     def _complete_oldest(self) -> None:
-        unit, pending, used, grads, serial = self._pending.pop(0)
+        unit, pending, used, serial = self._pending.pop(0)
         with self.streams.on("reduce"):
             reduced = pending.wait()
             self.streams.writes(("reduced", serial))
         self.streams.handover("reduce", "compute")
-        self.streams.writes(("grads", serial))  # freed on compute, now that the reduce stream has read them
-        del grads
         self._reduced.append((unit, reduced, used, serial))
 
     def first_nonfinite(self) -> Optional[Unit]:

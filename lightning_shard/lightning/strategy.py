@@ -297,8 +297,11 @@ class ShardStrategy(ParallelStrategy):
         assert self.runtime is not None
         optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
         optimizer = _same_kind(optimizers[0]) if optimizers else torch.optim.SGD
+        step = self.runtime.optimizers.step_of(optimizers[0]) if optimizers else None
         try:
-            self.memory_estimate = estimate_sharded(self.runtime, self.sharding, self.prefetch, optimizer)
+            self.memory_estimate = estimate_sharded(self.runtime, self.sharding, self.prefetch, optimizer,
+                                                    whole=step is not None and step.whole,
+                                                    step_group_numel=self.step_group_size)
         except Exception as err:  # an estimate must never stop training
             rank_zero_warn(f"lightning_shard: no memory estimate ({type(err).__name__}: {err}).")
             return

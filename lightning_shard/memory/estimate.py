@@ -5,8 +5,11 @@
                   gradient shards + optimizer step scratch )           # optimizer step
 
 Every term is counted, not guessed: unit sizes come from the same planner the strategy uses (padding
-included); optimizer state and step scratch per parameter element from one step of the real optimizer on
-a small tensor; activations (and backward temporaries) from one forward and backward of the model on fake
+included); optimizer state and step scratch per parameter element from real steps of the optimizer on small
+probe tensors. The scratch of one step is one step group's (``step_group_numel`` elements per rank), or one
+parameter's when the optimizer updates parameter by parameter (torch's for-loop implementations, the CPU
+default; the probes tell which); a whole-parameter optimizer (Muon, Adafactor) adds the owners' exchange
+buffers and the full copies of the parameters a rank owns in one group. Activations (and backward temporaries) from one forward and backward of the model on fake
 tensors of the target device (``FakeTensorMode``: real kernels are chosen, e.g. CPU flash attention, nothing
 is allocated), with the chosen activation checkpointing applied. Gathered units and
 gradients in flight follow the engine's bounds: ``1 + prefetch`` units gathered under ``full`` sharding, all
@@ -34,6 +37,7 @@ from lightning_shard.engine.activation_checkpointing import (
     validate_activation_checkpointing,
     wrap_forward,
 )
+from lightning_shard.engine.optimizer_step import DEFAULT_STEP_GROUP_NUMEL
 from lightning_shard.engine.plan import UnitSpec, plan_units
 from lightning_shard.engine.shard_module import validate_sharding
 from lightning_shard.memory.tracker import LiveBytes
@@ -83,6 +87,8 @@ def estimate_memory(
     batch: Any = None,
     activation_checkpointing: CheckpointSpec = False,
     device: Union[str, torch.device] = "cpu",
+    whole: bool = False,
+    step_group_numel: int = DEFAULT_STEP_GROUP_NUMEL,
 ) -> MemoryEstimate:
     """Predict one rank's peak memory for training ``model`` sharded over ``world_size`` ranks.
 
@@ -91,6 +97,8 @@ def estimate_memory(
     returns the loss of one local (per-rank) ``batch``; without it no activations are counted.
     ``optimizer`` is called like ``optimizer(params)``: an optimizer class or a ``functools.partial``.
     ``param_dtype`` is the gather/compute dtype (mixed precision), ``master_dtype`` that of the shards.
+    ``whole``: the optimizer steps whole parameters on owner ranks (``engine/optimizers.py``);
+    ``step_group_numel``: the strategy's ``step_group_size``.
     """
     validate_sharding(sharding)
     spec = validate_activation_checkpointing(activation_checkpointing)
@@ -102,10 +110,11 @@ def estimate_memory(
     for plan in plans:
         if plan.numel():
             shard = math.ceil(plan.numel() / ranks)
-            sizes.append(UnitSize(shard * ranks, shard, plan.members == [""]))
+            sizes.append(UnitSize(shard * ranks, shard, plan.members == [""], max(p.numel() for p, _ in plan.params)))
     activations = activation_bytes(model, step, batch, param_dtype, plans, spec, device) if step is not None else 0
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-    return combine(sizes, master, param_dtype, sharding, prefetch, optimizer, buffers, activations)
+    profile = optimizer_profile(optimizer, master, whole, device)
+    return combine(sizes, master, param_dtype, sharding, prefetch, profile, buffers, activations, step_group_numel)
 
 
 @dataclass(frozen=True)
@@ -113,10 +122,22 @@ class UnitSize:
     padded: int  # elements of the gathered (padded) buffer
     shard: int  # elements of one rank's shard
     is_root: bool
+    largest: int = 0  # elements of its largest parameter
+
+
+@dataclass(frozen=True)
+class OptimizerProfile:
+    """What the optimizer holds and needs per parameter element, measured on probes."""
+
+    state: float  # bytes of state kept per element
+    scratch: float  # bytes of temporaries per element updated at once
+    per_parameter: bool  # its temporaries live for one parameter at a time (a for-loop implementation)
+    whole: bool  # it steps whole parameters on owner ranks
 
 
 def combine(sizes: list[UnitSize], master: torch.dtype, param_dtype: torch.dtype, sharding: str, prefetch: int,
-            optimizer: Callable[..., torch.optim.Optimizer], buffers: int, activations: int) -> MemoryEstimate:
+            optimizer: OptimizerProfile, buffers: int, activations: int,
+            step_group_numel: int = DEFAULT_STEP_GROUP_NUMEL) -> MemoryEstimate:
     """The formula of the module note, from unit sizes (planned, or read off a sharded model)."""
     b_master, b_param = _size(master), _size(param_dtype)
     aliases = all(u.padded == u.shard for u in sizes) and param_dtype == master  # gathered buffer = shard
@@ -132,26 +153,44 @@ def combine(sizes: list[UnitSize], master: torch.dtype, param_dtype: torch.dtype
     # the root's gradients build up through all of backward; a unit's until its reduction. Reductions in flight
     # are not added: they exist once units' activations are freed, which outweigh them unless activations are tiny
     grads_in_flight = ((others[0] if others else 0) + root) * b_param
-    state_per_element, scratch_per_element = _optimizer_bytes_per_element(optimizer, master)
     return MemoryEstimate(
         params=shard_total * b_master + (0 if aliases else root * b_param),
-        optimizer_state=round(shard_total * state_per_element),
+        optimizer_state=round(shard_total * optimizer.state),
         buffers=buffers,
         grads=shard_total * b_master,
         gathered=gathered,
         grads_in_flight=grads_in_flight,
         activations=activations,
-        step_scratch=round(shard_total * scratch_per_element),
+        step_scratch=step_scratch(sizes, b_master, optimizer, step_group_numel),
     )
 
 
-def estimate_sharded(runtime: Any, sharding: str, prefetch: int, optimizer: Callable[..., torch.optim.Optimizer]
-                     ) -> MemoryEstimate:
+def step_scratch(sizes: list[UnitSize], b_master: int, optimizer: OptimizerProfile, step_group_numel: int) -> int:
+    """Temporaries of one optimizer step (``engine/optimizer_step.py``): it runs one step group at a time."""
+    shard_total = sum(u.shard for u in sizes)
+    largest = max((u.largest for u in sizes), default=0)
+    ranks = max((u.padded // u.shard for u in sizes if u.shard), default=1)
+    at_once = min(step_group_numel, shard_total)  # elements per rank one group steps
+    if not optimizer.whole or ranks == 1:  # stepped where the shards (or, unsharded, whole parameters) lie
+        local_piece = min(largest, max((u.shard for u in sizes), default=0)) if ranks > 1 else largest
+        return round(optimizer.scratch * (local_piece if optimizer.per_parameter else at_once))
+    # owners: a group is (part of) one unit, whose parameters an owner holds whole, at most one more than its share
+    group = min(step_group_numel, max((u.shard for u in sizes), default=0))
+    owned = group + largest
+    in_flight = 4 * group + 2 * owned + 2 * group  # next group's values+gradients out and in, this one's, its return
+    return round(in_flight * b_master + optimizer.scratch * (largest if optimizer.per_parameter else owned))
+
+
+def estimate_sharded(runtime: Any, sharding: str, prefetch: int, optimizer: Callable[..., torch.optim.Optimizer],
+                     whole: bool = False, step_group_numel: int = DEFAULT_STEP_GROUP_NUMEL) -> MemoryEstimate:
     """The estimate, activations excluded, of a model already sharded (what the strategy logs at setup)."""
-    sizes = [UnitSize(u.storage.padded_numel, u.storage.shard_numel, u is runtime.root_unit) for u in runtime.units]
+    sizes = [UnitSize(u.storage.padded_numel, u.storage.shard_numel, u is runtime.root_unit,
+                      max(s.numel for s in u.storage.slots)) for u in runtime.units]
     first = runtime.units[0].storage
     buffers = sum(b.numel() * b.element_size() for b in runtime.root.buffers())
-    return combine(sizes, first.master_dtype, first.param_dtype, sharding, prefetch, optimizer, buffers, 0)
+    profile = optimizer_profile(optimizer, first.master_dtype, whole, first.shard.device)
+    return combine(sizes, first.master_dtype, first.param_dtype, sharding, prefetch, profile, buffers, 0,
+                   step_group_numel)
 
 
 def activation_bytes(model: nn.Module, step: Callable[[nn.Module, Any], Tensor], batch: Any,
@@ -196,22 +235,41 @@ def fake_copy(model: nn.Module, batch: Any, fake: FakeTensorMode, device: torch.
     return copy.deepcopy(model, memo), tree_map(lambda x: empty(x) if isinstance(x, Tensor) else x, batch)
 
 
-def _optimizer_bytes_per_element(optimizer: Callable[..., torch.optim.Optimizer], dtype: torch.dtype
-                                 ) -> tuple[float, float]:
-    """State kept per parameter element, and the step's scratch per element, by one real step on a probe."""
-    n = 4096
-    probe = nn.Parameter(torch.zeros(n, dtype=dtype))
-    probe.grad = torch.full((n,), 1e-3, dtype=dtype)
-    opt = optimizer([probe])
+def optimizer_profile(optimizer: Callable[..., torch.optim.Optimizer], dtype: torch.dtype, whole: bool = False,
+                      device: Union[str, torch.device] = "cpu") -> OptimizerProfile:
+    """State and scratch per element from real steps on probes (2-D ones for a whole-parameter optimizer: Muon
+    takes nothing else). One probe, then three: temporaries that grow with the number of parameters stepped
+    together (``torch._foreach`` lists, the GPU default) count per element of a step group; those that do not
+    (torch's for-loop implementations, the CPU default: the last parameter's outlive the next one's start) count
+    per element of the largest parameter."""
+    device = torch.device(device)
+    if device.type == "meta" or (device.type == "cuda" and not torch.cuda.is_available()):
+        device = torch.device("cpu")
+    shape = (64, 64) if whole else (4096,)
+    n = math.prod(shape)
+    state_one, scratch_one = _probe(optimizer, dtype, [shape], device)
+    _, scratch_three = _probe(optimizer, dtype, [shape] * 3, device)
+    per_parameter = scratch_three < 2.5 * scratch_one
+    return OptimizerProfile(state=state_one / n, scratch=(scratch_three if per_parameter else scratch_three / 3) / n,
+                            per_parameter=per_parameter, whole=whole)
+
+
+def _probe(optimizer: Callable[..., torch.optim.Optimizer], dtype: torch.dtype, shapes: list[tuple[int, ...]],
+           device: torch.device) -> tuple[int, int]:
+    """Bytes of state after a step, and the peak of temporaries during a second step, over ``shapes``."""
+    probes = [nn.Parameter(torch.zeros(shape, dtype=dtype, device=device)) for shape in shapes]
+    for probe in probes:
+        probe.grad = torch.full(probe.shape, 1e-3, dtype=dtype, device=device)
+    opt = optimizer(probes)
     opt.step()  # creates the state
-    state = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
-                if isinstance(v, Tensor) and v.numel() == n)
+    states = [v for s in opt.state.values() for v in s.values() if isinstance(v, Tensor)]
+    state = sum(v.numel() * v.element_size() for v in states if v.dim() > 0)
     with LiveBytes() as live:
-        live.track([probe, probe.grad, *[v for s in opt.state.values() for v in s.values()]])
+        live.track([*probes, *[p.grad for p in probes], *states])
         live.reset_peak()
         baseline = live.current()
         opt.step()
-    return state / n, max(live.peak - baseline, 0) / n
+    return state, max(live.peak - baseline, 0)
 
 
 def _size(dtype: torch.dtype) -> int:

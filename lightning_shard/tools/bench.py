@@ -18,6 +18,10 @@ larger model (depth 12, width 1024, seq 512, vocab 32000: 184M parameters). Step
 torch.cuda.synchronize() calls; the table adds each rank's peak of torch.cuda.max_memory_allocated() (the
 largest rank's) next to lightning_shard's own estimates.
 
+--optimizer adamw muon: one table per optimizer too. ``muon``: torch's Muon for the blocks' matrices and AdamW
+for the rest (embeddings, norms, biases), as torch's docs advise; two optimizers, so manual optimization. FSDP2
+is left out there: Muon on its DTensor shards is not the same optimizer.
+
 --trace PATH: after the rounds, shard_full runs once more (the first --precision) and rank 0 records 3 steps
 after warm-up with torch.profiler (CPU, and CUDA on cuda) into a Chrome trace at PATH (chrome://tracing or
 https://ui.perfetto.dev): on a GPU, the next unit's all-gather on its own stream under this unit's compute.
@@ -47,6 +51,7 @@ from lightning_shard.app.models.lit_lm import LitLanguageModel
 
 CONFIGS = ("alone", "plain", "ddp", "fsdp2", "shard_full", "shard_grad_op", "shard_none")
 PRECISIONS = ("32-true", "bf16-mixed")
+OPTIMIZERS = ("adamw", "muon")
 TRACE_STEPS = 3
 # per device: the model and the number of steps (cuda: about 1-2 minutes on one H100 for both precisions)
 DEFAULTS = {
@@ -63,9 +68,27 @@ def default_configs(world: int) -> list[str]:
 
 
 class BenchLM(LitLanguageModel):
-    def __init__(self, model: torch.nn.Module, fsdp2: bool = False) -> None:
+    def __init__(self, model: torch.nn.Module, fsdp2: bool = False, optimizer: str = "adamw") -> None:
         super().__init__(model, lr=1e-3, warmup_steps=1)
         self.fsdp2 = fsdp2
+        self.optimizer = optimizer
+        self.automatic_optimization = optimizer == "adamw"
+
+    def configure_optimizers(self):
+        if self.optimizer == "adamw":
+            return super().configure_optimizers()
+        return muon_and_adamw(self)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        if self.automatic_optimization:
+            return super().training_step(batch, batch_idx)
+        for optimizer in self.optimizers():
+            optimizer.zero_grad()
+        loss = self._loss(batch)
+        self.manual_backward(loss)
+        for optimizer in self.optimizers():
+            optimizer.step()
+        return loss.detach()
 
     def configure_model(self) -> None:
         if self.fsdp2:
@@ -75,6 +98,14 @@ class BenchLM(LitLanguageModel):
             for block in self.model.blocks:
                 fully_shard(block, mesh=mesh)
             fully_shard(self.model, mesh=mesh)
+
+
+def muon_and_adamw(module: torch.nn.Module) -> list[torch.optim.Optimizer]:
+    """torch's Muon for the hidden layers' matrices, AdamW for embeddings, norms and biases."""
+    named = list(module.named_parameters())
+    hidden = [p for n, p in named if p.ndim == 2 and ".blocks." in n]
+    rest = [p for n, p in named if not (p.ndim == 2 and ".blocks." in n)]
+    return [torch.optim.Muon(hidden, lr=0.02, weight_decay=0.01), torch.optim.AdamW(rest, lr=1e-3, weight_decay=0.0)]
 
 
 def _sync(cuda: bool) -> None:
@@ -129,8 +160,8 @@ class TraceSteps(L.Callback):
             self.profiler = None
 
 
-def _model_state_mb(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float:
-    return model_state_bytes(module, [optimizer]) / 2**20
+def _model_state_mb(module: torch.nn.Module, optimizers: list) -> float:
+    return model_state_bytes(module, optimizers) / 2**20
 
 
 def _strategy(name: str, world: int):
@@ -158,31 +189,35 @@ def _gpt(args) -> GPT:
     return GPT(args.vocab, args.width, args.depth, args.heads, args.seq)
 
 
-def _run_alone(args, precision: str) -> dict:
+def _run_alone(args, precision: str, optimizer_name: str) -> dict:
     cuda = args.device == "cuda"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     torch.manual_seed(0)
-    module = BenchLM(_gpt(args)).to(device)
-    optimizer = module.configure_optimizers()["optimizer"]
+    module = BenchLM(_gpt(args), optimizer=optimizer_name).to(device)
+    configured = module.configure_optimizers()
+    optimizers = [configured["optimizer"]] if isinstance(configured, dict) else configured
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16-mixed" else nullcontext()
     times = []
     for i, batch in enumerate(_data(args, 1)):
         batch = batch.to(device)
         _sync(cuda)
         start = time.perf_counter()
-        optimizer.zero_grad()
+        for optimizer in optimizers:
+            optimizer.zero_grad()
         with autocast:
             loss = module._loss(batch)
         loss.backward()
-        optimizer.step()
+        for optimizer in optimizers:
+            optimizer.step()
         _sync(cuda)
         times.append(time.perf_counter() - start)
         if i + 1 == args.warmup + args.steps:
             break
-    return {"times": times[args.warmup :], "exposed": [], "state_mb": _model_state_mb(module, optimizer), "comm": {}}
+    return {"times": times[args.warmup :], "exposed": [], "state_mb": _model_state_mb(module, optimizers), "comm": {}}
 
 
-def _run(name: str, args, world: int, precision: str, rank: int = 0, trace: str | None = None) -> dict:
+def _run(name: str, args, world: int, precision: str, rank: int = 0, trace: str | None = None,
+         optimizer: str = "adamw") -> dict:
     """One run of one strategy; on cuda also its peak memory and lightning_shard's estimate. With ``trace``, fewer
     steps on every rank (they must agree) and rank 0 records them."""
     cuda = args.device == "cuda"
@@ -192,11 +227,11 @@ def _run(name: str, args, world: int, precision: str, rank: int = 0, trace: str 
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     if name == "alone":
-        result = _run_alone(args, precision)
+        result = _run_alone(args, precision, optimizer)
         estimate = None
     else:
         torch.manual_seed(0)
-        module = BenchLM(_gpt(args), fsdp2=name == "fsdp2")
+        module = BenchLM(_gpt(args), fsdp2=name == "fsdp2", optimizer=optimizer)
         timer = StepTimer(cuda)
         callbacks: list[L.Callback] = [timer]
         steps = args.warmup + args.steps
@@ -213,7 +248,7 @@ def _run(name: str, args, world: int, precision: str, rank: int = 0, trace: str 
         comm = dict(getattr(trainer.strategy, "comm_stats", {}))
         estimate = getattr(trainer.strategy, "memory_estimate", None)
         result = {"times": timer.times[args.warmup :], "exposed": timer.exposed[args.warmup :],
-                  "state_mb": _model_state_mb(module, trainer.optimizers[0]), "comm": comm}
+                  "state_mb": _model_state_mb(module, trainer.optimizers), "comm": comm}
     if cuda:
         result["peak_mb"] = (torch.cuda.max_memory_allocated() - base) / 2**20
         result["base_mb"] = base / 2**20
@@ -246,21 +281,24 @@ def _rank_main(rank: int, world: int, args, port: int, out: str) -> None:
         torch.cuda.set_device(rank)
     else:
         torch.set_num_threads(1)  # one core per rank: ranks must not fight over cores
-    results: dict[str, dict[str, list[dict]]] = {p: {c: [] for c in args.configs} for p in args.precision}
+    tables = [(p, o) for p in args.precision for o in args.optimizer]
+    results: dict[tuple[str, str], dict[str, list[dict]]] = {
+        t: {c: [] for c in args.configs if t[1] == "adamw" or c != "fsdp2"} for t in tables}
     estimates: dict[tuple[str, str], float] = {}
     errors: list[str] = []
     for round_ in range(args.rounds):
-        for precision in args.precision:
-            for name in args.configs:  # interleaved: A B C ... A B C ...
-                results[precision][name].append(_run(name, args, world, precision, rank))
-                if args.device == "cuda" and rank == 0 and name.startswith("shard_") and round_ == 0:
+        for precision, optimizer in tables:
+            for name in results[precision, optimizer]:  # interleaved: A B C ... A B C ...
+                results[precision, optimizer][name].append(_run(name, args, world, precision, rank, optimizer=optimizer))
+                if (args.device == "cuda" and rank == 0 and name.startswith("shard_") and round_ == 0
+                        and optimizer == "adamw"):
                     try:  # once per config, after its run (the other ranks wait in the next setup, untimed)
                         estimates[precision, name] = _estimate_with_activations(name, args, world, precision)
                     except Exception as err:  # an estimate must not stop the benchmark
                         estimates[precision, name] = float("nan")
                         errors.append(f"{name} {precision}: no estimate with activations ({type(err).__name__}: {err})")
                 if rank == 0:
-                    print(f"round {round_ + 1}/{args.rounds}: {name} {precision} done", flush=True)
+                    print(f"round {round_ + 1}/{args.rounds}: {name} {precision} {optimizer} done", flush=True)
     if args.trace:
         _run("shard_full", args, world, args.precision[0], rank, trace=args.trace)
     with open(f"{out}.{rank}", "wb") as f:
@@ -270,16 +308,16 @@ def _rank_main(rank: int, world: int, args, port: int, out: str) -> None:
 def _merge(ranks: list[dict]) -> dict:
     """Rank 0's results, with each run's peak memory the largest over the ranks."""
     merged = ranks[0]
-    for precision, configs in merged["results"].items():
+    for table, configs in merged["results"].items():  # table: (precision, optimizer)
         for name, runs in configs.items():
             for i, run in enumerate(runs):
                 if "peak_mb" in run:
-                    run["peak_mb"] = max(r["results"][precision][name][i]["peak_mb"] for r in ranks)
-                    run["base_mb"] = max(r["results"][precision][name][i]["base_mb"] for r in ranks)
+                    run["peak_mb"] = max(r["results"][table][name][i]["peak_mb"] for r in ranks)
+                    run["base_mb"] = max(r["results"][table][name][i]["base_mb"] for r in ranks)
     return merged
 
 
-def _table(results: dict, args, params: int, precision: str, estimates: dict) -> str:
+def _table(results: dict, args, params: int, precision: str, estimates: dict, optimizer: str = "adamw") -> str:
     cuda = args.device == "cuda"
     rows = []
     medians = {name: statistics.median([t for r in runs for t in r["times"]]) for name, runs in results.items()}
@@ -310,7 +348,7 @@ def _table(results: dict, args, params: int, precision: str, estimates: dict) ->
     if "plain" in medians and "shard_full" in medians:
         ratio = medians["shard_full"] / medians["plain"]
         rows.append(f"\nshard_full / plain: {ratio:.3f} (issue 16's target: <= 1.03) {'met' if ratio <= 1.03 else 'NOT met'}")
-    rows.append(f"\nprecision {precision}; model: GPT, {params / 1e6:.1f}M parameters ({params * 4 / 2**20:.0f} MB fp32),"
+    rows.append(f"\nprecision {precision}, optimizer {optimizer}; model: GPT, {params / 1e6:.1f}M parameters ({params * 4 / 2**20:.0f} MB fp32),"
                 f" depth {args.depth}, width {args.width}, seq {args.seq}, batch {args.batch}/rank, vocab {args.vocab}")
     ranks = f"{args.world} {'CUDA' if cuda else 'gloo'} rank{'s' if args.world > 1 else ''}"
     timing = f"{args.rounds} round{'s' if args.rounds > 1 else ''} x {args.steps} timed steps after {args.warmup} warm-up"
@@ -345,6 +383,9 @@ def main(argv=None) -> None:
                              " and the shard modes otherwise; plain runs at --world 1 only)")
     parser.add_argument("--precision", nargs="+", choices=PRECISIONS, default=["32-true"],
                         help="one table per precision, runs interleaved (default: 32-true)")
+    parser.add_argument("--optimizer", nargs="+", choices=OPTIMIZERS, default=["adamw"],
+                        help="one table per optimizer (default: adamw); muon: Muon for the blocks' matrices, AdamW"
+                             " for the rest")
     parser.add_argument("--trace", metavar="PATH", default=None,
                         help="also write a Chrome trace of shard_full's steps on rank 0 to PATH (a .json file)")
     parser.add_argument("--rounds", type=at_least(1), default=3)
@@ -369,6 +410,7 @@ def main(argv=None) -> None:
         args.world = 2
     args.configs = list(dict.fromkeys(args.configs or default_configs(args.world)))
     args.precision = list(dict.fromkeys(args.precision))
+    args.optimizer = list(dict.fromkeys(args.optimizer))
     if "plain" in args.configs and args.world != 1:
         parser.error(f"plain (Lightning with no strategy) runs on one device: use --world 1, not {args.world}")
     if args.width % args.heads:
@@ -386,7 +428,8 @@ def main(argv=None) -> None:
             with open(f"{out}.{rank}", "rb") as f:
                 ranks.append(pickle.load(f))
     merged = _merge(ranks)
-    tables = [_table(merged["results"][p], args, params, p, merged["estimates"]) for p in args.precision]
+    tables = [_table(merged["results"][p, o], args, params, p, merged["estimates"], o)
+              for p in args.precision for o in args.optimizer]
     print("\n\n".join(tables), flush=True)
     for error in merged["errors"]:
         print(error, flush=True)
