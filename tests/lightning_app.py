@@ -142,13 +142,15 @@ def main() -> None:
     parser.add_argument("--crash-at-step", type=int, default=None, help="kill -9 rank 1 at this step")
     parser.add_argument("--skip-ddp", action="store_true")
     parser.add_argument("--state-dict-type", default="sharded", choices=["sharded", "full"])
+    parser.add_argument("--keep-gathered-in-eval", action="store_true")
     args = parser.parse_args()
 
     results = {} if args.skip_ddp else {"ddp": run("ddp", args, args.epochs, os.path.join(args.out, "ddp"))}
     for sharding in args.sharding:
         ckpt_dir = os.path.join(args.out, sharding)
-        results[sharding] = run(ShardStrategy(sharding=sharding, state_dict_type=args.state_dict_type), args, args.epochs, ckpt_dir,
-                                resume=args.resume_from, crash_at=args.crash_at_step)
+        strategy = ShardStrategy(sharding=sharding, state_dict_type=args.state_dict_type,
+                                 keep_gathered_in_eval=args.keep_gathered_in_eval)
+        results[sharding] = run(strategy, args, args.epochs, ckpt_dir, resume=args.resume_from, crash_at=args.crash_at_step)
         if args.resume:
             first = run(ShardStrategy(sharding=sharding, state_dict_type=args.state_dict_type), args, 1, ckpt_dir + "_resume")
             resumed = run(ShardStrategy(sharding=sharding, state_dict_type=args.state_dict_type), args, args.epochs, ckpt_dir + "_resume",

@@ -26,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # -- one rank on one GPU, through the Trainer ---------------------------------------------------------------------
-def fit(strategy, precision: str, device: str) -> dict:
+def fit(strategy, precision: str, device: str, optimizer: str = "adamw") -> dict:
     """One epoch (24 steps) of tests/lightning_app.py's LitGPT; per-step losses and the final full state."""
     import lightning as L
 
@@ -39,7 +39,7 @@ def fit(strategy, precision: str, device: str) -> dict:
             self.param_device = str(next(pl_module.parameters()).device)
 
     torch.manual_seed(0)
-    module = LitGPT()
+    module = LitGPT(manual=optimizer == "muon", optimizer=optimizer)
     initial = {k: v.detach().clone() for k, v in module.state_dict().items()}
     where_it_ran = WhereItRan()
     trainer = L.Trainer(
@@ -66,6 +66,9 @@ def fit_all(out: str, precision: str, device: str) -> None:
 
     results = {"plain": fit("auto", precision, device),  # Lightning's single-device strategy: no sharding code
                "shard": fit(ShardStrategy(units=["Block"], prefetch=1), precision, device)}
+    if precision == "32-true":  # Muon (2-D) + AdamW in manual optimization: whole parameters stepped in place
+        results["plain_muon"] = fit("auto", precision, device, optimizer="muon")
+        results["shard_muon"] = fit(ShardStrategy(units=["Block"], prefetch=1), precision, device, optimizer="muon")
     if precision == "bf16-mixed":  # fp32 gathers under the same autocast: the arithmetic of the plain run
         results["shard_fp32_gathers"] = fit(ShardStrategy(units=["Block"], prefetch=1,
                                                           mixed_precision=MixedPrecision()), precision, device)
@@ -93,7 +96,7 @@ def assert_same_training(run: dict, reference: dict, rtol: float, atol: float, n
 def assert_ran_on_the_gpu(results: dict) -> None:
     assert results["plain"]["param_device"] == "cuda:0"
     for name, run in results.items():
-        if name != "plain":
+        if name.startswith("shard"):
             assert run["shard_device"] == "cuda:0" and run["backend"] == "nccl", (name, run["shard_device"])
             assert run["units"] == 4, name  # 3 blocks and the root: gathers, prefetch and frees happen
 
@@ -106,6 +109,9 @@ def test_world_size_one_32_true_matches_plain_lightning(tmp_path):
     # relative leaves room for a kernel picked for another alignment; a stale or missing gradient or a buffer read
     # before its stream hand-over moves the losses by far more.
     assert_same_training(results["shard"], results["plain"], rtol=1e-6, atol=1e-7, name="32-true")
+    # torch's Muon orthogonalises in bf16: a 1-ulp difference can round the other way and grow (the README's
+    # Optimizers section); at world 1 the inputs are the plain run's, so it stays within the same bound
+    assert_same_training(results["shard_muon"], results["plain_muon"], rtol=1e-6, atol=1e-7, name="32-true Muon")
 
 
 def test_world_size_one_bf16_mixed_matches_plain_lightning(tmp_path):

@@ -77,8 +77,12 @@ def assert_loads_into_plain_module(path, expected_state: dict) -> None:
 
 
 def test_three_ranks_value_clipping_matches_ddp(tmp_path):
-    results = run_app(tmp_path, "--devices", "3", "--sharding", "full", "--clip", "0.01", "--clip-algorithm", "value")
+    # validation, test and predict with every unit held gathered for the whole loop: the same metrics and
+    # predictions as DDP, and training between validations goes on exactly
+    results = run_app(tmp_path, "--devices", "3", "--sharding", "full", "--clip", "0.01", "--clip-algorithm", "value",
+                      "--keep-gathered-in-eval")
     assert_matches_ddp(results, "full")
+    assert "keep_gathered_in_eval holds every unit gathered" in results["log"]
 
 
 def test_manual_optimization_and_full_checkpoints(tmp_path):

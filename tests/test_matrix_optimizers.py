@@ -58,3 +58,30 @@ def test_mixed_precision_masters_and_a_skipped_nonfinite_step():
         assert report["gathered_dtypes"] == ["torch.bfloat16"]
         assert report["losses"][-1] < report["losses"][0] - 3
         assert report["skipped"] == 1 and report["unchanged"]
+
+
+def test_owners_hold_at_most_their_share_plus_one_parameter():
+    """The owner plan alone (no processes): random shapes over 3 ranks, several units and step groups."""
+    from lightning_shard.engine.flat_shard import FlatShard, ParamSlot
+    from lightning_shard.engine.step_plan import OWNERS, plan_step
+
+    g = torch.Generator().manual_seed(0)
+    where, params = {}, []
+    for u in range(4):
+        shapes = [tuple(int(d) for d in torch.randint(1, 40, (2,), generator=g)) for _ in range(9)]
+        offsets = torch.tensor([0] + [a * b for a, b in shapes]).cumsum(0).tolist()
+        slots = [ParamSlot((f"u{u}.p{i}",), (), torch.Size(s), offsets[i], s[0] * s[1], True) for i, s in enumerate(shapes)]
+        storage = FlatShard(slots, torch.zeros(offsets[-1]), rank=0, world_size=3)
+        for i, shard in enumerate(storage.shard_params):
+            where[id(shard)] = (u, storage, i)
+            params.append(shard)
+    optimizer = torch.optim.SGD([{"params": params[::2]}, {"params": params[1::2]}], lr=0.1)
+    plan = plan_step(optimizer, where, whole=True, world=3, group_numel=300)
+    assert all(b.mode == OWNERS for b in plan.buckets) and len(plan.buckets) > 4  # by unit, then by size
+    assert len({e.unit for b in plan.buckets for e in b.entries}) == 4
+    assert all(len({e.unit for e in b.entries}) == 1 for b in plan.buckets)
+    sizes = {id(p): where[id(p)][1].slots[where[id(p)][2]].numel for p in params}
+    loads = [0, 0, 0]
+    for p in params:
+        loads[plan.owner(p)] += sizes[id(p)]
+    assert max(loads) <= sum(loads) / 3 + max(sizes.values()), loads

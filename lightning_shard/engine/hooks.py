@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Callable, Optional
 
@@ -34,6 +34,7 @@ from lightning_shard.engine import collectives, norms
 from lightning_shard.engine.collectives import CommStats
 from lightning_shard.engine.elision import BackwardElision
 from lightning_shard.engine.gather import GatherSchedule
+from lightning_shard.engine.guards import ModuleGuards
 from lightning_shard.engine.optimizer_attach import OptimizerAttachment
 from lightning_shard.engine.optimizer_step import DEFAULT_STEP_GROUP_NUMEL, ShardedStep
 from lightning_shard.engine.reduce import GradientReducer
@@ -58,7 +59,7 @@ class _PostBackward(torch.autograd.Function):
         return (None, None) + grads
 
 
-class ShardRuntime:
+class ShardRuntime(ModuleGuards):
     def __init__(
         self,
         root: nn.Module,
@@ -97,6 +98,7 @@ class ShardRuntime:
         self.broadcast_buffers = broadcast_buffers
         self._buffers_stale = False  # the ranks' buffers may differ (a training step updated them locally)
         self._steps_driven = False  # run_step is in use: a bare root forward is not a step
+        self._held = False  # inside keep_gathered(): every unit gathered, forwards run no collective
         self.undo: list[Callable[[], None]] = []  # restores what was wrapped at setup (activation checkpointing)
         self.optimizers = OptimizerAttachment(units, group, self.world_size, self.stats)
         self._install_hooks()
@@ -131,6 +133,14 @@ class ShardRuntime:
         """``step``: a training/eval step every rank runs (``run_step``, or a root forward where no one calls
         ``run_step``), not a forward outside the steps (a callback's sample on rank 0): only a step runs the
         ranks' agreements (the trainable parameters, the buffers), which every rank must join."""
+        if self._held and self._depth == 0:
+            if torch.is_grad_enabled():
+                raise RuntimeError(
+                    "lightning_shard: a forward with gradients inside keep_gathered(): held units run no collective,"
+                    " so their gradients would never be reduced. Leave keep_gathered() to train, or run this forward"
+                    " under torch.no_grad() (evaluation, generation).")
+            self._depth += 1
+            return
         if self._depth == 0 and self._final_callback_queued and not _in_backward():
             self._recover_from_failed_backward()
         if self._depth == 0 and not self._final_callback_queued:
@@ -156,8 +166,10 @@ class ShardRuntime:
         self._depth += 1
 
     def _exit_step(self, output: Any) -> None:
+        if self._depth == 0:  # its _enter_step raised (the root's forward hook runs even so)
+            return
         self._depth -= 1
-        if self._depth > 0:
+        if self._depth > 0 or self._held:
             return
         self.elision.end_forward()
         self.schedule.record_order()
@@ -211,6 +223,37 @@ class ShardRuntime:
             for buffer, value in zip(buffers, flat.split([b.numel() for b in buffers])):
                 buffer.copy_(value.view_as(buffer))
         self._buffers_stale = False
+
+    # -- evaluation and generation with every unit held ---------------------------------------------
+    @contextmanager
+    def keep_gathered(self) -> Iterator[None]:
+        """Hold every unit gathered for a whole evaluation or generation loop. Every rank must enter (one
+        all-gather per unit); inside, forwards run no collective at all, so ranks may run different numbers of
+        them (generate to different lengths) without waiting for one another. Forwards without gradients only.
+        It costs :meth:`held_bytes` for as long as it lasts: the whole model's parameters in the gather dtype."""
+        if self._held:  # nested: the outer one holds them
+            yield
+            return
+        if self._depth or self._final_callback_queued:
+            raise RuntimeError("lightning_shard: keep_gathered() entered inside a step or a backward; enter it"
+                               " between steps, on every rank.")
+        if self.broadcast_buffers and self._buffers_stale:
+            self.sync_buffers()
+            self._buffers_stale = False
+        for unit in self.units:
+            self.schedule.gather(unit)
+        self._held = True
+        try:
+            yield
+        finally:
+            self._held = False
+            for unit in self.units:
+                self.schedule.reshard(unit)
+
+    def held_bytes(self) -> int:
+        """Bytes per rank that :meth:`keep_gathered` adds while it holds every unit (the root is gathered in
+        every step anyway, and a unit that is its own shard needs no gathered copy)."""
+        return sum(u.storage.gathered_nbytes for u in self.units if not u.storage.aliases_shard and u is not self.root_unit)
 
     # -- optimizers (optimizer_attach.py, optimizer_step.py) ------------------------------------------
     def shaped_parameters(self) -> Any:
@@ -290,136 +333,10 @@ class ShardRuntime:
     def hooks_installed(self) -> bool:
         return bool(self._handles)
 
-    # -- the sharded tree used as a plain module (issue 14, item 10) --------------------------------
-    # The tree holds 1-D shard parameters viewing each unit's flat storage. A conversion (``.half()``, ``.to()``,
-    # ``.cpu()`` ... all go through ``nn.Module._apply``) would give them new tensors that no gather reads, and
-    # ``state_dict()`` would return the shards. Both are wrapped on the modules themselves, at setup.
-    _plain_depth = 0  # inside plain_state_dict(): state_dict() returns the tree as it is
-    _full_depth = 0  # inside a guarded state_dict(): the full tensors are registered
-    _converting = False  # inside a guarded _apply, whose subtree was checked
-    apply_checks: Sequence[Callable[[], None]] = ()  # more reasons to refuse any conversion (the strategy's)
-
-    def install_guards(self) -> None:
-        """Wrap ``_apply`` of every module of the tree (a conversion may be called on any submodule) and
-        ``state_dict`` of every module that holds a sharded parameter or has one below it; :meth:`remove_hooks`
-        unwraps them."""
-        self._param_names = {id(p): slot.names[0] for unit in self.units for slot, *params in
-                             zip(unit.storage.slots, unit.storage.shard_params, unit.storage.gathered_params)
-                             for p in params}
-        owners = {id(module) for unit in self.units for slot in unit.storage.slots for module, _ in slot.locations}
-        for module in self.root.modules():
-            self._wrap(module, "_apply", self._guarded_apply)
-            if any(id(m) in owners for m in module.modules()):
-                self._wrap(module, "state_dict", self._guarded_state_dict)
-
-    def _wrap(self, module: nn.Module, name: str, guard: Callable[..., Any]) -> None:
-        had = module.__dict__.get(name)
-        original = getattr(module, name)
-
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            return guard(module, original, *args, **kwargs)
-
-        def restore() -> None:
-            if module.__dict__.get(name) is wrapper:
-                if had is None:
-                    del module.__dict__[name]
-                else:
-                    module.__dict__[name] = had
-
-        module.__dict__[name] = wrapper  # an instance attribute: the recursion over children finds it too
-        self.undo.append(restore)
-
-    def _guarded_apply(self, module: nn.Module, original: Callable[..., Any], fn: Callable[[Tensor], Any],
-                       *args: Any, **kwargs: Any) -> Any:
-        if self._converting:  # a submodule of a conversion already checked
-            return original(fn, *args, **kwargs)
-        for check in self.apply_checks:
-            check()
-        recurse = kwargs.get("recurse", args[0] if args else True)
-        self._refuse_conversion(module, fn, recurse)
-        self._converting = True
-        try:
-            return original(fn, *args, **kwargs)
-        finally:
-            self._converting = False
-
-    def _refuse_conversion(self, module: nn.Module, fn: Callable[[Tensor], Any], recurse: bool) -> None:
-        """``fn`` may run on the shard (or gathered) parameters only if it returns them unchanged: probed on an
-        empty tensor of each of their dtypes and devices before anything is converted. ``.to(device)`` onto the
-        device they are on (Lightning calls it) returns its input, so it passes."""
-        kinds: dict[tuple[torch.dtype, torch.device], str] = {}
-        for submodule in module.modules() if recurse else (module,):
-            for param in submodule._parameters.values():
-                name = self._param_names.get(id(param)) if param is not None else None
-                if name is not None:
-                    for tensor in (param, param.grad):
-                        if tensor is not None:
-                            kinds.setdefault((tensor.dtype, tensor.device), name)
-        for (dtype, device), name in kinds.items():
-            probe = torch.empty(0, dtype=dtype, device=device)
-            out = fn(probe)
-            if out is probe:
-                continue
-            changes = []
-            if isinstance(out, Tensor) and out.dtype != dtype:
-                changes.append(f"dtype {dtype} -> {out.dtype}")
-            if isinstance(out, Tensor) and out.device != device:
-                changes.append(f"device {device} -> {out.device}")
-            change = " and ".join(changes) or "new tensors (as `.to_empty()` makes)"
-            raise RuntimeError(
-                f"lightning_shard: this model is sharded; converting it ({change}, parameter {name!r} first) would"
-                " detach its shard parameters from the storage that gathers read, so the optimizer would update"
-                " tensors the model never computes with. After sharding, `.half()`, `.float()`, `.double()`,"
-                " `.bfloat16()`, `.to(dtype)`, `.to(device)`, `.cpu()`, `.cuda()` and `.to_empty()` are refused"
-                " (a `.to()` that changes nothing is fine). Choose the dtypes with ShardStrategy(mixed_precision=...)"
-                " or the Trainer's `precision` (shard_module: param_dtype, reduce_dtype, buffer_dtype) and let the"
-                " Trainer choose the device (shard_module: `device`); or convert the model before it is sharded."
-            )
-
-    @contextmanager
-    def plain_state_dict(self) -> Iterator[None]:
-        """``state_dict()`` of the tree as it is: this rank's 1-D shards, or whatever the caller registered in
-        their place (the checkpoint code, which gathers on every rank itself)."""
-        self._plain_depth += 1
-        try:
-            yield
-        finally:
-            self._plain_depth -= 1
-
-    def _guarded_state_dict(self, module: nn.Module, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Alone (one rank, or ``sharding="none"``) the full tensors are this rank's: ``state_dict()`` is the
-        plain model's, no collective needed. Sharded over several ranks it would need every rank to gather,
-        and a ``state_dict()`` called on rank 0 only would hang there: refused, naming what to call."""
-        if self._plain_depth or self._full_depth:
-            return original(*args, **kwargs)
-        spread = [unit for unit in self.units if unit.storage.world_size > 1]
-        if spread:
-            raise RuntimeError(
-                f"lightning_shard: `state_dict()` of a model sharded over {spread[0].storage.world_size} ranks would"
-                " give this rank's 1-D shards, and the full tensors need an all-gather on every rank (called on one"
-                " rank only, it would hang). Call `lightning_shard.checkpoint.full.full_state_dict(model._shard_runtime)`"
-                " on every rank (rank 0 gets the full state dict) or `trainer.save_checkpoint(path)`; for this"
-                " rank's shards as they are, call it inside `with model._shard_runtime.plain_state_dict():`."
-            )
-        held = [(owner, attr, owner._parameters[attr]) for unit in self.units for slot in unit.storage.slots
-                for owner, attr in slot.locations]
-        self._full_depth += 1
-        try:
-            for unit in self.units:
-                storage = unit.storage
-                for slot, shard in zip(storage.slots, storage.shard_params):
-                    lo, hi = storage.shard_range(slot)  # the whole parameter: one rank holds all
-                    full = nn.Parameter(storage.shard[lo:hi].view(slot.shape), requires_grad=shard.requires_grad)
-                    for owner, attr in slot.locations:
-                        owner._parameters[attr] = full
-            return original(*args, **kwargs)
-        finally:
-            self._full_depth -= 1
-            for owner, attr, param in held:
-                owner._parameters[attr] = param
-
     def _pre_forward(self, unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         self._follow_requires_grad(unit)
+        if self._held:
+            return _cast_inputs(unit, args, kwargs)
         self.schedule.gather(unit)
         args, kwargs = _cast_inputs(unit, args, kwargs)
         if not self._final_callback_queued:  # not a recomputation inside backward
@@ -441,6 +358,8 @@ class ShardRuntime:
         return self._final_callback_queued and unit.backward_pending > 0
 
     def _post_forward(self, unit: Unit, module: nn.Module, output: Any) -> Any:
+        if self._held:
+            return output
         grad_enabled = torch.is_grad_enabled()
         order = self.schedule.order
         # backward starts with the last unit: freeing it now would only mean gathering it again at once (kept

@@ -17,6 +17,7 @@ on its owner only: 1/N of the optimizer state per rank in aggregate, as for elem
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Callable, Optional
@@ -52,7 +53,7 @@ class ShardedStep:
         if whole:  # its own ``step`` would step 1-D shards, or nothing: only this one may run
             optimizer.register_step_pre_hook(self._refuse_own_step)
 
-    def __call__(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+    def __call__(self, closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
         loss = None
         if closure is not None:  # first, as every torch optimizer does: the gradients come from it
             with torch.enable_grad():
@@ -60,7 +61,7 @@ class ShardedStep:
         # the optimizer's step hooks run once around the whole step, as for an unsharded ``step()``
         self._running = True
         try:
-            Optimizer.profile_hook_step(self._step)(self.optimizer)
+            Optimizer.profile_hook_step(self._step)(self.optimizer, **kwargs)
         finally:
             self._running = False
         self.optimizer._opt_called = True  # what an LR scheduler's wrapper of ``step`` notes (it warns otherwise)
@@ -88,9 +89,10 @@ class ShardedStep:
                 " right thing; with the engine alone call `runtime.step(optimizer)`.")
 
     @torch.no_grad()
-    def _step(self, optimizer: Optimizer) -> None:
+    def _step(self, optimizer: Optimizer, **kwargs: Any) -> None:
+        """``kwargs``: what the caller gave ``step`` besides the closure, for every group's step."""
         plan = self.plan()
-        raw = _raw_step(optimizer)
+        raw = functools.partial(_raw_step(optimizer), **kwargs)
         if len(plan.buckets) == 1 and plan.buckets[0].mode == SHARDS:
             raw(optimizer)  # one group holding every parameter as it is: nothing to swap
             return
@@ -168,7 +170,7 @@ class _OwnerExchange:
                 values[i][lo:hi] = parts[i]
                 grads[i][lo:hi] = parts[len(lengths) + i]
             flags.append(parts[-1])
-        has_grad = torch.stack(flags) if flags else received.new_empty(0, 0)
+        has_grad = (torch.stack(flags) if flags else received.new_empty(0, 0)).bool().cpu()  # one host sync a group
         stepped = []
         for i, entry in enumerate(self.mine):
             param = nn.Parameter(values[i].view(entry.shape), requires_grad=entry.param.requires_grad)

@@ -9,7 +9,7 @@ import os
 import shlex
 import weakref
 from collections.abc import Generator, Iterable, Mapping, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -110,6 +110,10 @@ class ShardStrategy(ParallelStrategy):
             ZeRO-3's ``sub_group_size``): the step runs group by group, so its temporaries are one group's, not
             the model's, with the same numbers. Matrix optimizers exchange whole parameters per group, the next
             group's exchange overlapping this one's update.
+        keep_gathered_in_eval: validation, test and predict loops hold every unit gathered for the whole loop
+            (one all-gather per unit per loop, none per batch), at the cost of the whole model's parameters per rank
+            while the loop runs (logged at setup). ``strategy.keep_gathered()`` does the same around your own
+            evaluation or generation code (every rank must enter it).
         timeout: bound on every collective (a ``timedelta`` or seconds): a dead or stuck rank turns into an
             error naming the collective and the unit on every other rank within it.
 
@@ -135,6 +139,7 @@ class ShardStrategy(ParallelStrategy):
         elementwise_optimizers: Sequence[type] = (),
         matrix_optimizers: Sequence[type] = (),
         step_group_size: int = DEFAULT_STEP_GROUP_NUMEL,
+        keep_gathered_in_eval: bool = False,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -182,6 +187,10 @@ class ShardStrategy(ParallelStrategy):
             raise ValueError(f"`step_group_size` must be an int >= 1 (parameter elements per rank stepped at once),"
                              f" got {step_group_size!r}.")
         self.step_group_size = step_group_size
+        if not isinstance(keep_gathered_in_eval, bool):
+            raise ValueError(f"`keep_gathered_in_eval` must be True or False, got {keep_gathered_in_eval!r}.")
+        self.keep_gathered_in_eval = keep_gathered_in_eval
+        self._eval_hold: Optional[ExitStack] = None
         if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
             timeout = timedelta(seconds=timeout)
         if timeout is not None and not isinstance(timeout, timedelta):
@@ -282,6 +291,9 @@ class ShardStrategy(ParallelStrategy):
             rank_zero_info(plan_summary(self.runtime, self.sharding, self.world_size))
             rank_zero_debug("lightning_shard units:\n" + plan_listing(self.runtime))
         self.runtime.apply_checks = [partial(_refuse_other_strategies, self.model)]
+        if self.keep_gathered_in_eval:
+            rank_zero_info(f"lightning_shard: keep_gathered_in_eval holds every unit gathered during validation, test"
+                           f" and predict loops: {self.runtime.held_bytes() / 2**20:.1f} MiB more per rank while they run.")
         self.precision_plugin.runtime = self.runtime
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -362,6 +374,55 @@ class ShardStrategy(ParallelStrategy):
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._run_step(super().predict_step, *args, **kwargs)
+
+    # -- evaluation with every unit held ------------------------------------------------------------------
+    @contextmanager
+    def keep_gathered(self) -> Generator[None, None, None]:
+        """Every unit held gathered inside (every rank must enter): forwards without gradients run no collective,
+        so evaluation or generation needs one all-gather per unit in all, and ranks may generate different numbers
+        of tokens. Costs ``strategy.runtime.held_bytes()`` per rank while it lasts."""
+        assert self.runtime is not None, "keep_gathered before the model is sharded"
+        with self.runtime.keep_gathered():
+            yield
+
+    def _hold_for_eval(self) -> None:
+        if self.keep_gathered_in_eval and self.runtime is not None and self._eval_hold is None:
+            hold = ExitStack()
+            hold.enter_context(self.runtime.keep_gathered())
+            self._eval_hold = hold
+
+    def _release_eval(self) -> None:
+        hold, self._eval_hold = self._eval_hold, None
+        if hold is not None:
+            hold.close()  # frees the gathered buffers: no collective, safe after an exception too
+
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        self._hold_for_eval()
+
+    def on_validation_end(self) -> None:
+        self._release_eval()
+        super().on_validation_end()
+
+    def on_test_start(self) -> None:
+        super().on_test_start()
+        self._hold_for_eval()
+
+    def on_test_end(self) -> None:
+        self._release_eval()
+        super().on_test_end()
+
+    def on_predict_start(self) -> None:
+        super().on_predict_start()
+        self._hold_for_eval()
+
+    def on_predict_end(self) -> None:
+        self._release_eval()
+        super().on_predict_end()
+
+    def on_exception(self, exception: BaseException) -> None:
+        self._release_eval()
+        super().on_exception(exception)
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:

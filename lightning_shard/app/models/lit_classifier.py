@@ -20,8 +20,6 @@ class LitClassifier(L.LightningModule):
             "f1": torchmetrics.classification.MulticlassF1Score(num_classes, average="macro"),
         })
         self.val_metrics, self.test_metrics = metrics(), metrics()
-        # names taken before sharding flattens the parameters
-        self._decay_names = {f"model.{n}" for n, p in model.named_parameters() if p.dim() >= 2}
 
     def training_step(self, batch, batch_idx):
         ids, mask, labels = batch
@@ -43,8 +41,9 @@ class LitClassifier(L.LightningModule):
         self._evaluate(batch, self.test_metrics, "test")
 
     def configure_optimizers(self):
-        decay = [p for n, p in self.named_parameters() if n in self._decay_names]
-        no_decay = [p for n, p in self.named_parameters() if n not in self._decay_names]
+        # by shape: under ShardStrategy, configure_optimizers sees the parameters' real shapes
+        decay = [p for p in self.parameters() if p.dim() >= 2]
+        no_decay = [p for p in self.parameters() if p.dim() < 2]
         optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": self.weight_decay},
                                        {"params": no_decay, "weight_decay": 0.0}], lr=self.lr)
         warmup = max(1, self.warmup_steps)

@@ -13,8 +13,6 @@ class LitLanguageModel(L.LightningModule):
         super().__init__()
         self.model = model
         self.lr, self.weight_decay, self.warmup_steps = lr, weight_decay, warmup_steps
-        # names of the parameters that get weight decay, taken before sharding flattens them
-        self._decay_names = {f"model.{n}" for n, p in model.named_parameters() if p.dim() >= 2}
 
     def _loss(self, batch: torch.Tensor) -> torch.Tensor:
         logits = self.model(batch[:, :-1])
@@ -37,8 +35,9 @@ class LitLanguageModel(L.LightningModule):
         self._evaluate(batch, "test")
 
     def configure_optimizers(self):
-        decay = [p for n, p in self.named_parameters() if n in self._decay_names]
-        no_decay = [p for n, p in self.named_parameters() if n not in self._decay_names]
+        # by shape, as nanoGPT does: under ShardStrategy, configure_optimizers sees the parameters' real shapes
+        decay = [p for p in self.parameters() if p.dim() >= 2]
+        no_decay = [p for p in self.parameters() if p.dim() < 2]
         optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=self.lr, betas=(0.9, 0.95),

@@ -1,0 +1,67 @@
+"""Scenarios for test_keep_gathered.py, run inside a gloo world: evaluation and generation with units held."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from lightning_shard.engine.shard_module import shard_module
+from tests import models
+from tests.engine_scenarios import train
+
+
+@torch.no_grad()
+def greedy(model: torch.nn.Module, prompt: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy decoding, one forward per token (no cache): the tokens and the last step's logits."""
+    tokens = prompt
+    for _ in range(new_tokens):
+        logits = model(tokens)
+        tokens = torch.cat([tokens, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return tokens, logits
+
+
+def generate_different_lengths(rank: int, world: int) -> dict:
+    """Train, generate a different number of tokens on each rank inside ``keep_gathered`` (no collective there, so
+    nothing to hang on), then train on: every figure against one process / DDP with the same weights."""
+    g = torch.Generator().manual_seed(7)
+    batches = [models.TinyGPT.batch(g, 12) for _ in range(6)]
+    torch.manual_seed(0)
+    reference = models.TinyGPT()
+    sharded = copy.deepcopy(reference)
+    ddp = DDP(reference)
+    runtime = shard_module(sharded, units=["Block"], prefetch=1)
+    report: dict = {"units": len(runtime.units)}
+    train(ddp, models.TinyGPT.loss, batches[:3], rank, world)
+    train(sharded, models.TinyGPT.loss, batches[:3], rank, world, runtime=runtime)
+
+    prompt = batches[0][rank * 2 : rank * 2 + 2, :3]
+    new_tokens = 2 + 3 * rank  # rank 0: 2 tokens, rank 1: 5
+    before = runtime.stats.collectives
+    with runtime.keep_gathered():
+        at_entry = runtime.stats.collectives
+        tokens, logits = greedy(sharded, prompt, new_tokens)
+        report["collectives_inside"] = runtime.stats.collectives - at_entry
+        with torch.enable_grad():  # a training forward inside is refused, not silently run on held units
+            try:
+                sharded(prompt)
+                report["grad_forward"] = None
+            except RuntimeError as error:
+                report["grad_forward"] = str(error)
+    report["gathers_at_entry"] = at_entry - before
+    expected_tokens, expected_logits = greedy(reference, prompt, new_tokens)
+    report["tokens_equal"] = torch.equal(tokens, expected_tokens)
+    report["logits_close"] = torch.allclose(logits, expected_logits, rtol=1e-5, atol=1e-6)
+    report["freed"] = all(not unit.is_gathered and not unit.storage.is_allocated for unit in runtime.units
+                          if not unit.storage.aliases_shard)
+
+    # without holding, the same generation gathers every unit at every token (what keep_gathered saves)
+    at_start = runtime.stats.all_gather_bytes
+    greedy(sharded, batches[0][:2, :3], 2)
+    report["regathered_bytes"] = runtime.stats.all_gather_bytes - at_start
+
+    losses = train(sharded, models.TinyGPT.loss, batches[3:], rank, world, runtime=runtime)
+    expected = train(ddp, models.TinyGPT.loss, batches[3:], rank, world)
+    report["losses_after"] = (losses, expected)
+    return report

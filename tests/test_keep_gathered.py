@@ -1,0 +1,25 @@
+"""Evaluation and generation with every unit held gathered (issue 18): one all-gather per unit on entry, no
+collective inside, so ranks may generate different numbers of tokens; the same numbers as one process; a
+forward with gradients inside is refused; training goes on after it like DDP."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests import eval_scenarios
+from tests.world import run_world
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_generation_to_different_lengths_with_units_held():
+    for report in run_world(eval_scenarios.generate_different_lengths, 2, timeout=240):
+        assert report["gathers_at_entry"] == report["units"]  # one all-gather per unit, the root included
+        assert report["collectives_inside"] == 0  # rank 0 generates 2 tokens, rank 1 five: nothing to wait for
+        assert report["tokens_equal"] and report["logits_close"]  # greedy decoding as with the unsharded weights
+        assert report["freed"]  # released on exit
+        assert "keep_gathered" in report["grad_forward"]  # training inside is refused, not run on held units
+        assert report["regathered_bytes"] > 0  # what holding saves: without it every token gathers every unit
+        losses, expected = report["losses_after"]
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=1e-6)
