@@ -25,3 +25,33 @@ def test_full_sharding_holds_one_nth_per_rank(world_size, prefetch):
 def test_no_sharding_holds_the_whole_model():
     for r in run_world(memory, 2, "none"):
         assert r["param"] == r["unsharded"] + r["padding"], r
+
+
+def test_zero_grad_frees_the_gradient_shards_and_partial_clears_stay_exact():
+    """The engine holds gradient shards only through the parameters' ``.grad``: ``zero_grad(set_to_none=True)``
+    frees them (the next backward does not build new ones beside the old), and clearing some parameters' ``.grad``
+    only (an optimizer over some of them) accumulates the others exactly. One process, the reduction at world 1."""
+    import copy
+
+    import torch
+
+    from lightning_shard.engine.shard_module import shard_module
+    from tests import models
+
+    torch.manual_seed(0)
+    model = models.TinyGPT()
+    reference = copy.deepcopy(model)
+    runtime = shard_module(model)
+    batch = models.TinyGPT.batch(torch.Generator().manual_seed(1), 4)
+    for net in (model, reference):
+        models.TinyGPT.loss(net, batch, 0).backward()
+        for i, p in enumerate(net.parameters()):
+            if i % 2:
+                p.grad = None
+        models.TinyGPT.loss(net, batch, 1).backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad.reshape(-1), rtol=1e-6, atol=1e-7, msg=name)
+    assert all(unit.storage.shard_grad is not None for unit in runtime.units)
+    for p in model.parameters():
+        p.grad = None
+    assert all(unit.storage.shard_grad is None for unit in runtime.units)

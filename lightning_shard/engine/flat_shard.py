@@ -209,7 +209,7 @@ class FlatShard:
         if (
             shard_grad is not None
             and all(i in views for i in used)
-            and all(self.shard_params[i].grad is v() for i, v in views.items())
+            and all(_alive_and_is(self.shard_params[i].grad, v) for i, v in views.items())
         ):
             shard_grad.add_(reduced)
             return
@@ -225,6 +225,11 @@ class FlatShard:
             param.grad = view
             new_views[i] = weakref.ref(view)
         self._shard_grad, self._shard_grad_views = weakref.ref(reduced), new_views
+
+
+def _alive_and_is(grad: Optional[Tensor], view: weakref.ref) -> bool:
+    """``grad`` is still the view it was given (not replaced, and not cleared while another view lives on)."""
+    return grad is not None and grad is view()
 
 
 def _refuse_autograd_grads(shard: nn.Parameter, slot: ParamSlot) -> None:

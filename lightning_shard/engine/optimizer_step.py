@@ -72,7 +72,7 @@ class ShardedStep:
         param groups change (``add_param_group``)."""
         if self._plan is None or self._plan.key != params_key(self.optimizer):
             plan = plan_step(self.optimizer, self.where, self.whole, self.world, self.group_numel)
-            if self.world > 1:
+            if any(b.mode == OWNERS for b in plan.buckets):  # only exchanges need the ranks to plan alike
                 _agree_on_plan(plan, self.optimizer, self.group, self.stats)
             self._plan = plan
         return self._plan
@@ -241,7 +241,9 @@ def _raw_step(optimizer: Optimizer) -> Callable[[Optimizer], Any]:
 
 
 def _agree_on_plan(plan: StepPlan, optimizer: Optimizer, group: Optional[dist.ProcessGroup], stats: CommStats) -> None:
-    """Ranks whose optimizers hold different parameters would exchange mismatched pieces: an error instead."""
+    """Ranks whose optimizers hold different parameters would exchange mismatched pieces: an error instead.
+    (An elementwise optimizer needs no agreement: ranks may even hold different parameters, as when Lightning's
+    ``BaseFinetuning.filter_on_optimizer``, which compares values, drops a rank's empty shard.)"""
     device = next((b.entries[0].param.device for b in plan.buckets if b.entries), torch.device("cpu"))
     value = collectives.fingerprint(plan.fingerprint)
     high, low = collectives.agree(torch.tensor([value, -value], device=device), group, stats,

@@ -78,7 +78,7 @@ class Bucket:
 class StepPlan:
     buckets: list[Bucket]
     key: tuple  # the optimizer's parameters per group when planned: a change means planning again
-    fingerprint: list[int]  # what ranks compare to know they planned alike
+    fingerprint: list[int]  # what ranks compare to know they plan the same exchanges
 
     def __post_init__(self) -> None:
         self._owners = {id(e.param): o for b in self.buckets for e, o in zip(b.entries, b.owners)}
@@ -112,9 +112,9 @@ def plan_step(optimizer: Optimizer, where: dict[int, tuple[int, FlatShard, int]]
         buckets += [Bucket(VIEWS, b) for b in _split(sharded, group_numel, lambda e: e.numel)]
     else:
         buckets += _owner_buckets(sharded, world, group_numel)
-    fingerprint = [len(entries)] + [v for b in buckets for e in b.entries
-                                    for v in (e.group, e.unit, e.slot, e.numel, e.storage is None)]
-    fingerprint += [o for b in buckets for o in b.owners]
+    owned = [b for b in buckets if b.mode == OWNERS]  # what the ranks' exchanges depend on
+    fingerprint = [v for b in owned for e in b.entries for v in (e.group, e.unit, e.slot, e.numel)]
+    fingerprint += [o for b in owned for o in b.owners]
     return StepPlan(buckets, params_key(optimizer), fingerprint)
 
 
