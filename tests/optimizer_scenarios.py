@@ -85,8 +85,8 @@ def build_optimizers(model: nn.Module, name: str) -> list[torch.optim.Optimizer]
                 torch.optim.AdamW(decay_groups(others, 0.1), lr=1e-2)]
     if name == "adafactor":
         return [torch.optim.Adafactor(decay_groups(named, 0.01), lr=1e-2)]
-    if name == "adamw":
-        return [torch.optim.AdamW(decay_groups(named, 0.1), lr=1e-2)]
+    if name == "adamw":  # foreach: its list-wide temporaries are what step groups bound (the CPU default loops)
+        return [torch.optim.AdamW(decay_groups(named, 0.1), lr=1e-2, foreach=True)]
     if name == "lamb":
         return [Lamb(decay_groups(named, 0.01), lr=1e-2)]
     raise ValueError(name)

@@ -71,7 +71,9 @@ class ShardedStep:
         """The plan for the optimizer's current parameters; planned again (and agreed by the ranks) when its
         param groups change (``add_param_group``)."""
         if self._plan is None or self._plan.key != params_key(self.optimizer):
-            plan = plan_step(self.optimizer, self.where, self.whole, self.world, self.group_numel)
+            whole_shards = not self.whole and _steps_parameter_by_parameter(self.optimizer)
+            plan = plan_step(self.optimizer, self.where, self.whole, self.world,
+                             2**62 if whole_shards else self.group_numel)
             if any(b.mode == OWNERS for b in plan.buckets):  # only exchanges need the ranks to plan alike
                 _agree_on_plan(plan, self.optimizer, self.group, self.stats)
             self._plan = plan
@@ -232,6 +234,13 @@ def _stepping(optimizer: Optimizer, stepped: list[tuple[Entry, Tensor]]) -> Iter
                 state = optimizer.state.pop(param)
                 if state:
                     optimizer.state[entry.param] = state
+
+
+def _steps_parameter_by_parameter(optimizer: Optimizer) -> bool:
+    """torch's optimizers loop over the parameters on the CPU unless told otherwise (``foreach=True``): their
+    temporaries are one parameter's at a time already, and stepping in groups would only fragment host memory."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return all(p.device.type == "cpu" for p in params) and not any(g.get("foreach") for g in optimizer.param_groups)
 
 
 def _raw_step(optimizer: Optimizer) -> Callable[[Optimizer], Any]:

@@ -108,8 +108,9 @@ class ShardStrategy(ParallelStrategy):
             declared is refused at setup, naming both options (see ``engine/optimizers.py``).
         step_group_size: parameter elements per rank that one optimizer step updates at once (DeepSpeed
             ZeRO-3's ``sub_group_size``): the step runs group by group, so its temporaries are one group's, not
-            the model's, with the same numbers. Matrix optimizers exchange whole parameters per group, the next
-            group's exchange overlapping this one's update.
+            the model's, with the same numbers (for ``torch._foreach`` implementations, the GPU default; on the
+            CPU torch's optimizers loop over the parameters and step in one call). Matrix optimizers exchange
+            whole parameters per group, the next group's exchange overlapping this one's update.
         keep_gathered_in_eval: validation, test and predict loops hold every unit gathered for the whole loop
             (one all-gather per unit per loop, none per batch), at the cost of the whole model's parameters per rank
             while the loop runs (logged at setup). ``strategy.keep_gathered()`` does the same around your own
