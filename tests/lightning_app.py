@@ -143,13 +143,14 @@ def main() -> None:
     parser.add_argument("--skip-ddp", action="store_true")
     parser.add_argument("--state-dict-type", default="sharded", choices=["sharded", "full"])
     parser.add_argument("--keep-gathered-in-eval", action="store_true")
+    parser.add_argument("--compile", action="store_true", help="ShardStrategy(compile=True)")
     args = parser.parse_args()
 
     results = {} if args.skip_ddp else {"ddp": run("ddp", args, args.epochs, os.path.join(args.out, "ddp"))}
     for sharding in args.sharding:
         ckpt_dir = os.path.join(args.out, sharding)
         strategy = ShardStrategy(sharding=sharding, state_dict_type=args.state_dict_type,
-                                 keep_gathered_in_eval=args.keep_gathered_in_eval)
+                                 keep_gathered_in_eval=args.keep_gathered_in_eval, compile=args.compile)
         results[sharding] = run(strategy, args, args.epochs, ckpt_dir, resume=args.resume_from, crash_at=args.crash_at_step)
         if args.resume:
             first = run(ShardStrategy(sharding=sharding, state_dict_type=args.state_dict_type), args, 1, ckpt_dir + "_resume")

@@ -283,13 +283,16 @@ class ShardRuntime(ModuleGuards):
 
     # -- hooks --------------------------------------------------------------------------------------
     def _install_hooks(self) -> None:
+        # module hooks run eagerly even when reached from a compiled frame (engine/compile.py): dynamo breaks the
+        # graph at them rather than tracing collectives and the runtime's state
+        eager = torch.compiler.disable
         for unit in self.units:
             if unit is not self.root_unit:
                 for member in unit.members:
                     self._handles.append(member.register_forward_pre_hook(
-                        lambda m, a, k, u=unit: self._pre_forward(u, a, k), with_kwargs=True))
+                        eager(lambda m, a, k, u=unit: self._pre_forward(u, a, k)), with_kwargs=True))
                     self._handles.append(member.register_forward_hook(
-                        lambda m, a, k, out, u=unit: self._post_forward(u, m, out), with_kwargs=True))
+                        eager(lambda m, a, k, out, u=unit: self._post_forward(u, m, out)), with_kwargs=True))
             for param in unit.storage.gathered_params:
                 if param.requires_grad:
                     self._watch_for_backward(param)
@@ -297,10 +300,11 @@ class ShardRuntime(ModuleGuards):
             owners = {id(module): module for slot in self.root_unit.storage.slots for module, _ in slot.locations}
             for owner in owners.values():
                 self._handles.append(owner.register_forward_pre_hook(
-                    lambda m, a, k, u=self.root_unit: self._root_module_pre_forward(u, a, k), with_kwargs=True))
+                    eager(lambda m, a, k, u=self.root_unit: self._root_module_pre_forward(u, a, k)), with_kwargs=True))
         self._handles.append(self.root.register_forward_pre_hook(
-            lambda m, a: self._enter_step(step=not self._steps_driven)))
-        self._handles.append(self.root.register_forward_hook(lambda m, a, out: self._exit_step(out), always_call=True))
+            eager(lambda m, a: self._enter_step(step=not self._steps_driven))))
+        self._handles.append(self.root.register_forward_hook(eager(lambda m, a, out: self._exit_step(out)),
+                                                             always_call=True))
 
     def _watch_for_backward(self, param: nn.Parameter) -> None:
         """A gradient reaching a gathered parameter means a backward is running."""
@@ -325,7 +329,7 @@ class ShardRuntime(ModuleGuards):
             handle.remove()
         self._handles.clear()
         self._watched.clear()
-        for restore in self.undo:
+        for restore in reversed(self.undo):  # wrappers installed later come off first
             restore()
         self.undo.clear()
 

@@ -15,6 +15,12 @@ from lightning_shard.engine.activation_checkpointing import (
     checkpoint_modules,
     validate_activation_checkpointing,
 )
+from lightning_shard.engine.compile import (
+    compile_units,
+    refuse_with_elision,
+    validate_compile,
+    warn_if_compiled_by_user,
+)
 from lightning_shard.engine.flat_shard import FlatShard, ParamSlot
 from lightning_shard.engine.hooks import ShardRuntime
 from lightning_shard.engine.materialize import Materializer
@@ -45,21 +51,26 @@ def shard_module(
     elide_backward_gathers: bool = False,
     activation_checkpointing: CheckpointSpec = False,
     broadcast_buffers: bool = True,
+    compile: object = False,
 ) -> ShardRuntime:
     """Shard ``module``'s parameters across ``group`` and install the hooks that gather them on use.
 
     Every rank must call this with an identical model; rank 0's values are the ones kept (like DDP,
     which broadcasts rank 0's parameters), so ranks need not share a seed. A model built on the meta
     device is materialised on ``device`` unit by unit with its modules' ``reset_parameters()``: a rank
-    holds its shards plus at most one full unit, never the whole model.
+    holds its shards plus at most one full unit, never the whole model. ``compile``: ``True`` or torch.compile's
+    keyword arguments compile each unit's blocks (engine/compile.py).
     """
     validate_sharding(sharding)
+    compile_options = validate_compile(compile)
+    refuse_with_elision(compile_options, elide_backward_gathers)
     activation_checkpointing = validate_activation_checkpointing(activation_checkpointing)
     options = {
         "sharding": sharding, "units": _spec_names(units), "unit_size": unit_size, "param_dtype": param_dtype,
         "reduce_dtype": reduce_dtype, "buffer_dtype": buffer_dtype, "prefetch": prefetch, "nonfinite": nonfinite,
         "elide_backward_gathers": elide_backward_gathers,
         "activation_checkpointing": _spec_names(activation_checkpointing), "broadcast_buffers": broadcast_buffers,
+        "compile": compile_options,
     }
     existing = getattr(module, "_shard_runtime", None)
     if existing is not None:
@@ -77,6 +88,9 @@ def shard_module(
     root_heavy = root_heavy_warning(module, plans) if sharding == "full" and world > 1 and rank == 0 else None
     if root_heavy:
         warnings.warn(root_heavy, stacklevel=2)
+    compiled_by_user = warn_if_compiled_by_user(module, elide_backward_gathers) if rank == 0 else None
+    if compiled_by_user:
+        warnings.warn(compiled_by_user, stacklevel=2)
     materializer = Materializer(module, device or _first_real_device(module))
     built: list[Unit] = []
     root_unit = None
@@ -108,6 +122,8 @@ def shard_module(
                            nonfinite=nonfinite, elide_backward_gathers=elide_backward_gathers,
                            broadcast_buffers=broadcast_buffers)
     runtime.sync_buffers()  # rank 0's, as DDP starts
+    if compile_options is not None:  # inside the checkpoint wrapper, which runs eagerly: it keys inputs by id()
+        runtime.undo.extend(compile_units(built, root_unit, compile_options))
     runtime.undo.extend(checkpoint_modules(module, built, root_unit, activation_checkpointing))
     runtime.install_guards()
     runtime.options = options

@@ -57,6 +57,7 @@ from lightning_shard.checkpoint.io import (
 from lightning_shard.engine.activation_checkpointing import CheckpointSpec, validate_activation_checkpointing
 from lightning_shard.engine.hooks import ShardRuntime
 from lightning_shard.engine.optimizer_step import DEFAULT_STEP_GROUP_NUMEL
+from lightning_shard.engine.compile import refuse_with_elision, validate_compile
 from lightning_shard.engine.optimizers import WHOLE, optimizer_kind, validate_optimizer_classes
 from lightning_shard.engine.plan import UnitSpec, validate_unit_size, validate_units
 from lightning_shard.engine.shard_module import shard_module, validate_sharding
@@ -115,6 +116,10 @@ class ShardStrategy(ParallelStrategy):
             (one all-gather per unit per loop, none per batch), at the cost of the whole model's parameters per rank
             while the loop runs (logged at setup). ``strategy.keep_gathered()`` does the same around your own
             evaluation or generation code (every rank must enter it).
+        compile: ``True``, or a dict of ``torch.compile``'s keyword arguments (``{"mode": "max-autotune"}``): each
+            unit's blocks get a compiled ``forward`` (as torchtitan compiles each transformer block), the engine's
+            gathering, freeing and prefetching stay outside the compiled code. Blocks you compile yourself
+            (``block.compile()`` in ``configure_model``) work too. Not with ``elide_backward_gathers``.
         timeout: bound on every collective (a ``timedelta`` or seconds): a dead or stuck rank turns into an
             error naming the collective and the unit on every other rank within it.
 
@@ -141,6 +146,7 @@ class ShardStrategy(ParallelStrategy):
         matrix_optimizers: Sequence[type] = (),
         step_group_size: int = DEFAULT_STEP_GROUP_NUMEL,
         keep_gathered_in_eval: bool = False,
+        compile: Union[bool, dict[str, Any]] = False,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -192,6 +198,8 @@ class ShardStrategy(ParallelStrategy):
             raise ValueError(f"`keep_gathered_in_eval` must be True or False, got {keep_gathered_in_eval!r}.")
         self.keep_gathered_in_eval = keep_gathered_in_eval
         self._eval_hold: Optional[ExitStack] = None
+        self.compile = validate_compile(compile)
+        refuse_with_elision(self.compile, self.elide_backward_gathers)
         if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
             timeout = timedelta(seconds=timeout)
         if timeout is not None and not isinstance(timeout, timedelta):
@@ -288,6 +296,7 @@ class ShardStrategy(ParallelStrategy):
                 nonfinite=self.nonfinite, device=self.root_device,
                 activation_checkpointing=self.activation_checkpointing,
                 elide_backward_gathers=self.elide_backward_gathers, broadcast_buffers=self.broadcast_buffers,
+                compile=False if self.compile is None else self.compile,
             )
             rank_zero_info(plan_summary(self.runtime, self.sharding, self.world_size))
             rank_zero_debug("lightning_shard units:\n" + plan_listing(self.runtime))
