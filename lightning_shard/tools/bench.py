@@ -22,6 +22,10 @@ largest rank's) next to lightning_shard's own estimates.
 for the rest (embeddings, norms, biases), as torch's docs advise; two optimizers, so manual optimization. FSDP2
 is left out there: Muon on its DTensor shards is not the same optimizer.
 
+--compile: each chosen config also runs with every transformer block compiled (``NAME_compiled``): ``block.compile()``
+for alone, plain, ddp and fsdp2 (before ``fully_shard``, as torchtitan does), ``ShardStrategy(compile=True)`` for
+lightning_shard. Compilation happens in the warm-up steps (cached on disk by inductor after the first run).
+
 --trace PATH: after the rounds, shard_full runs once more (the first --precision) and rank 0 records 3 steps
 after warm-up with torch.profiler (CPU, and CUDA on cuda) into a Chrome trace at PATH (chrome://tracing or
 https://ui.perfetto.dev): on a GPU, the next unit's all-gather on its own stream under this unit's compute.
@@ -49,7 +53,9 @@ from lightning_shard.app.cli import ArgumentParser, at_least
 from lightning_shard.app.models.gpt import GPT
 from lightning_shard.app.models.lit_lm import LitLanguageModel
 
-CONFIGS = ("alone", "plain", "ddp", "fsdp2", "shard_full", "shard_grad_op", "shard_none")
+EAGER_CONFIGS = ("alone", "plain", "ddp", "fsdp2", "shard_full", "shard_grad_op", "shard_none")
+COMPILED = "_compiled"  # a config's twin with each block compiled (torch.compile per block, as torchtitan does)
+CONFIGS = EAGER_CONFIGS + tuple(name + COMPILED for name in EAGER_CONFIGS)
 PRECISIONS = ("32-true", "bf16-mixed")
 OPTIMIZERS = ("adamw", "muon")
 TRACE_STEPS = 3
@@ -67,10 +73,17 @@ def default_configs(world: int) -> list[str]:
     return ["alone", "ddp", "fsdp2", "shard_full", "shard_grad_op", "shard_none"]
 
 
+def _compile_blocks(model: GPT) -> None:
+    for block in model.blocks:
+        block.compile()
+
+
 class BenchLM(LitLanguageModel):
-    def __init__(self, model: torch.nn.Module, fsdp2: bool = False, optimizer: str = "adamw") -> None:
+    def __init__(self, model: torch.nn.Module, fsdp2: bool = False, optimizer: str = "adamw",
+                 compile_blocks: bool = False) -> None:
         super().__init__(model, lr=1e-3, warmup_steps=1)
         self.fsdp2 = fsdp2
+        self.compile_blocks = compile_blocks  # by the module itself (lightning_shard compiles through its option)
         self.optimizer = optimizer
         self.automatic_optimization = optimizer == "adamw"
 
@@ -91,6 +104,8 @@ class BenchLM(LitLanguageModel):
         return loss.detach()
 
     def configure_model(self) -> None:
+        if self.compile_blocks:
+            _compile_blocks(self.model)
         if self.fsdp2:
             from torch.distributed.fsdp import fully_shard
 
@@ -164,7 +179,7 @@ def _model_state_mb(module: torch.nn.Module, optimizers: list) -> float:
     return model_state_bytes(module, optimizers) / 2**20
 
 
-def _strategy(name: str, world: int):
+def _strategy(name: str, world: int, compiled: bool = False):
     from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
     from lightning_shard import ShardStrategy
@@ -176,7 +191,7 @@ def _strategy(name: str, world: int):
     if name == "fsdp2":
         # the default puts every rank on the tensor-parallel axis: all data-parallel here
         return ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
-    return ShardStrategy(sharding=name.removeprefix("shard_"))
+    return ShardStrategy(sharding=name.removeprefix("shard_"), compile=compiled)
 
 
 def _data(args, world: int) -> DataLoader:
@@ -189,11 +204,13 @@ def _gpt(args) -> GPT:
     return GPT(args.vocab, args.width, args.depth, args.heads, args.seq)
 
 
-def _run_alone(args, precision: str, optimizer_name: str) -> dict:
+def _run_alone(args, precision: str, optimizer_name: str, compiled: bool = False) -> dict:
     cuda = args.device == "cuda"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     torch.manual_seed(0)
     module = BenchLM(_gpt(args), optimizer=optimizer_name).to(device)
+    if compiled:
+        _compile_blocks(module.model)
     configured = module.configure_optimizers()
     optimizers = [configured["optimizer"]] if isinstance(configured, dict) else configured
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16-mixed" else nullcontext()
@@ -226,12 +243,15 @@ def _run(name: str, args, world: int, precision: str, rank: int = 0, trace: str 
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
+    compiled = name.endswith(COMPILED)
+    name = name.removesuffix(COMPILED)
     if name == "alone":
-        result = _run_alone(args, precision, optimizer)
+        result = _run_alone(args, precision, optimizer, compiled)
         estimate = None
     else:
         torch.manual_seed(0)
-        module = BenchLM(_gpt(args), fsdp2=name == "fsdp2", optimizer=optimizer)
+        module = BenchLM(_gpt(args), fsdp2=name == "fsdp2", optimizer=optimizer,
+                         compile_blocks=compiled and not name.startswith("shard_"))
         timer = StepTimer(cuda)
         callbacks: list[L.Callback] = [timer]
         steps = args.warmup + args.steps
@@ -240,7 +260,7 @@ def _run(name: str, args, world: int, precision: str, rank: int = 0, trace: str 
             if rank == 0:
                 callbacks.append(TraceSteps(trace, args.warmup, steps - args.warmup, cuda))
         trainer = L.Trainer(
-            accelerator=args.device, devices=1 if name == "plain" else world, strategy=_strategy(name, world),
+            accelerator=args.device, devices=1 if name == "plain" else world, strategy=_strategy(name, world, compiled),
             precision=precision, max_steps=steps, logger=False, enable_checkpointing=False,
             enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
         )
@@ -283,7 +303,7 @@ def _rank_main(rank: int, world: int, args, port: int, out: str) -> None:
         torch.set_num_threads(1)  # one core per rank: ranks must not fight over cores
     tables = [(p, o) for p in args.precision for o in args.optimizer]
     results: dict[tuple[str, str], dict[str, list[dict]]] = {
-        t: {c: [] for c in args.configs if t[1] == "adamw" or c != "fsdp2"} for t in tables}
+        t: {c: [] for c in args.configs if t[1] == "adamw" or not c.startswith("fsdp2")} for t in tables}
     estimates: dict[tuple[str, str], float] = {}
     errors: list[str] = []
     for round_ in range(args.rounds):
@@ -291,7 +311,7 @@ def _rank_main(rank: int, world: int, args, port: int, out: str) -> None:
             for name in results[precision, optimizer]:  # interleaved: A B C ... A B C ...
                 results[precision, optimizer][name].append(_run(name, args, world, precision, rank, optimizer=optimizer))
                 if (args.device == "cuda" and rank == 0 and name.startswith("shard_") and round_ == 0
-                        and optimizer == "adamw"):
+                        and optimizer == "adamw" and not name.endswith(COMPILED)):
                     try:  # once per config, after its run (the other ranks wait in the next setup, untimed)
                         estimates[precision, name] = _estimate_with_activations(name, args, world, precision)
                     except Exception as err:  # an estimate must not stop the benchmark
@@ -321,9 +341,10 @@ def _table(results: dict, args, params: int, precision: str, estimates: dict, op
     cuda = args.device == "cuda"
     rows = []
     medians = {name: statistics.median([t for r in runs for t in r["times"]]) for name, runs in results.items()}
-    anchors = [(label, medians[name]) for name, label in (("fsdp2", "x FSDP2"), ("ddp", "x DDP"), ("plain", "x plain"))
-               if name in medians]
-    header = f"{'strategy':<15}{'median step s':>14}" + "".join(f"{label:>9}" for label, _ in anchors)
+    anchors = [(label, medians[name]) for name, label in (
+        ("alone", "x alone"), ("fsdp2", "x FSDP2"), ("ddp", "x DDP"), ("plain", "x plain"),
+        ("fsdp2" + COMPILED, "x FSDP2-c"), ("ddp" + COMPILED, "x DDP-c")) if name in medians]
+    header = f"{'strategy':<23}{'median step s':>14}" + "".join(f"{label:>11}" for label, _ in anchors)
     header += f"{'gathered MB':>13}{'reduced MB':>12}{'collectives':>12}{'exposed comm s':>16}{'state MB/rank':>15}"
     if cuda:
         header += f"{'peak MB/rank':>14}{'est MB':>9}{'est+act MB':>12}"
@@ -333,7 +354,7 @@ def _table(results: dict, args, params: int, precision: str, estimates: dict, op
         comm = runs[-1]["comm"]
         exposed = [e for r in runs for e in r["exposed"]]
         reduced = comm.get("reduce_scatter_bytes", 0) + comm.get("all_reduce_bytes", 0)
-        row = f"{name:<15}{medians[name]:>14.3f}" + "".join(f"{medians[name] / anchor:>9.2f}" for _, anchor in anchors)
+        row = f"{name:<23}{medians[name]:>14.3f}" + "".join(f"{medians[name] / anchor:>11.2f}" for _, anchor in anchors)
         row += (
             f"{(comm['all_gather_bytes'] / 2**20 if comm else float('nan')):>13.1f}"
             f"{(reduced / 2**20 if comm else float('nan')):>12.1f}"
@@ -386,6 +407,8 @@ def main(argv=None) -> None:
     parser.add_argument("--optimizer", nargs="+", choices=OPTIMIZERS, default=["adamw"],
                         help="one table per optimizer (default: adamw); muon: Muon for the blocks' matrices, AdamW"
                              " for the rest")
+    parser.add_argument("--compile", action="store_true",
+                        help="also run each chosen config with its transformer blocks compiled (NAME_compiled)")
     parser.add_argument("--trace", metavar="PATH", default=None,
                         help="also write a Chrome trace of shard_full's steps on rank 0 to PATH (a .json file)")
     parser.add_argument("--rounds", type=at_least(1), default=3)
@@ -409,9 +432,11 @@ def main(argv=None) -> None:
     elif args.world is None:
         args.world = 2
     args.configs = list(dict.fromkeys(args.configs or default_configs(args.world)))
+    if args.compile:
+        args.configs = list(dict.fromkeys(args.configs + [c + COMPILED for c in args.configs if not c.endswith(COMPILED)]))
     args.precision = list(dict.fromkeys(args.precision))
     args.optimizer = list(dict.fromkeys(args.optimizer))
-    if "plain" in args.configs and args.world != 1:
+    if any(c.removesuffix(COMPILED) == "plain" for c in args.configs) and args.world != 1:
         parser.error(f"plain (Lightning with no strategy) runs on one device: use --world 1, not {args.world}")
     if args.width % args.heads:
         parser.error(f"--width {args.width} is not a multiple of --heads {args.heads}")
