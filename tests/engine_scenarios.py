@@ -18,6 +18,7 @@ SCENARIOS = {
     # name: (model class, shard_module kwargs)
     "gpt": (models.TinyGPT, {}),
     "gpt_unit_size": (models.TinyGPT, {"unit_size": 700}),
+    "gpt_merged_units": (models.TinyGPT, {"units": ["Block"], "min_unit_size": 2500}),  # the 3 blocks in one unit
     "tied_split": (models.SplitTiedGPT, {"units": ["Embed", "Head", "Block"]}),
     "odd": (models.Odd, {"unit_size": 9}),
     "frozen": (models.FrozenMix, {}),

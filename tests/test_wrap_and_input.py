@@ -41,6 +41,18 @@ def test_unit_size_packs_consecutive_siblings_within_the_budget():
     assert plans[-1].numel() == 0
 
 
+def test_min_unit_size_merges_consecutive_sibling_units():
+    model = models.TinyGPT(n_blocks=5)  # 2,072 parameters per block
+    plans = plan_units(model, min_unit_size=4000)
+    assert [p.members for p in plans[:-1]] == [["blocks.0", "blocks.1"], ["blocks.2", "blocks.3", "blocks.4"]]
+    # never across parents: the embedding and the blocks stay apart, and a unit larger than the floor is left whole
+    split = models.SplitTiedGPT()
+    merged = plan_units(split, units=["Embed", "Head", "Block"], min_unit_size=10**9)
+    parents = [{m.rpartition(".")[0] for m in p.members} for p in merged[:-1]]
+    assert all(len(ps) == 1 for ps in parents) and len(merged) < len(plan_units(split, units=["Embed", "Head", "Block"]))
+    assert sorted(id(p) for plan in merged for p, _ in plan.params) == sorted({id(p) for p in split.parameters()})
+
+
 def test_unit_size_never_splits_a_torch_builtin():
     plans = plan_units(models.Block(14), unit_size=50)
     assert "attn.out_proj" not in [m for p in plans for m in p.members]
@@ -62,6 +74,8 @@ def test_every_parameter_is_owned_exactly_once():
         ({"unit_size": True}, r"`unit_size` must be a positive int"),
         ({"units": ["Block"], "unit_size": 100}, r"either `units` .* or `unit_size`"),
         ({"prefetch": -1}, r"`prefetch` must be an int >= 0"),
+        ({"min_unit_size": 0}, r"`min_unit_size` must be a positive int"),
+        ({"unit_size": 100, "min_unit_size": 200}, r"`min_unit_size` \(200\) is above `unit_size` \(100\)"),
         ({"timeout": "soon"}, r"`timeout` must be a timedelta or a number of seconds"),
     ],
 )

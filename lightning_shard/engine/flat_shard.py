@@ -69,6 +69,7 @@ class FlatShard:
         else:
             self.gathered = torch.empty(self.padded_numel, dtype=self.param_dtype, device=flat.device)
 
+        self.shard_ranges = [self.shard_range(s) for s in slots]  # read at every step's gradient hand-over
         self.shard_params = [self._make_shard_param(s) for s in slots]
         self.gathered_params = [
             nn.Parameter(self.gathered[s.offset : s.offset + s.numel].view(s.shape), requires_grad=s.requires_grad)
@@ -218,7 +219,7 @@ class FlatShard:
             param = self.shard_params[i]
             if i not in used and param.grad is None:
                 continue
-            lo, hi = self.shard_range(self.slots[i])
+            lo, hi = self.shard_ranges[i]
             view = reduced[lo:hi]
             if param.grad is not None:
                 view.add_(param.grad)

@@ -320,9 +320,12 @@ class ShardRuntime(ModuleGuards):
         for param in unit.storage.sync_requires_grad():
             self._watch_for_backward(param)
 
-    def _root_module_pre_forward(self, unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def _root_module_pre_forward(self, unit: Unit, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
         self._follow_requires_grad(unit)
-        return _cast_inputs(unit, args, kwargs)
+        if not _needs_cast(unit):
+            return None
+        flat, rebuild = _flatten_arguments(args, kwargs)
+        return rebuild(_cast_floating(flat, unit.storage.param_dtype))
 
     def remove_hooks(self) -> None:
         for handle in self._handles:
@@ -337,24 +340,26 @@ class ShardRuntime(ModuleGuards):
     def hooks_installed(self) -> bool:
         return bool(self._handles)
 
-    def _pre_forward(self, unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def _pre_forward(self, unit: Unit, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
         self._follow_requires_grad(unit)
-        if self._held:
-            return _cast_inputs(unit, args, kwargs)
-        self.schedule.gather(unit)
-        args, kwargs = _cast_inputs(unit, args, kwargs)
-        if not self._final_callback_queued:  # not a recomputation inside backward
-            self.schedule.forward_reached(unit)
-        if not torch.is_grad_enabled() or self._recomputing_for_saved_tensors(unit):
-            return args, kwargs
-        flat, spec = tree_flatten((args, kwargs))
+        if not self._held:
+            self.schedule.gather(unit)
+            if not self._final_callback_queued:  # not a recomputation inside backward
+                self.schedule.forward_reached(unit)
+        cast = _needs_cast(unit)
+        hook = (not self._held and torch.is_grad_enabled() and not self._recomputing_for_saved_tensors(unit))
+        if not (cast or hook):
+            return None  # the arguments as they are
+        flat, rebuild = _flatten_arguments(args, kwargs)
+        if cast:
+            flat = _cast_floating(flat, unit.storage.param_dtype)
         # each tensor once: a module may test identity (`attn(h, h, h)` projects once when `query is key`)
-        inputs = list({id(x): x for x in flat if isinstance(x, Tensor) and x.requires_grad}.values())
-        if not inputs:  # nothing to hook: the final callback reduces this unit
-            return args, kwargs
-        unit.backward_pending += 1
-        hooked = dict(zip(map(id, inputs), _PostBackward.apply(self, unit, *inputs)))
-        return tree_unflatten([hooked.get(id(x), x) for x in flat], spec)
+        inputs = list({id(x): x for x in flat if isinstance(x, Tensor) and x.requires_grad}.values()) if hook else []
+        if inputs:  # else nothing to hook: the final callback reduces this unit
+            unit.backward_pending += 1
+            hooked = dict(zip(map(id, inputs), _PostBackward.apply(self, unit, *inputs)))
+            flat = [hooked.get(id(x), x) for x in flat]
+        return rebuild(flat) if cast or inputs else None
 
     def _recomputing_for_saved_tensors(self, unit: Unit) -> bool:
         """A call inside backward of a unit whose backward is still to come: a non-reentrant checkpoint
@@ -375,8 +380,11 @@ class ShardRuntime(ModuleGuards):
                 and (unit.reshard_after_forward or not grad_enabled)):
             self.schedule.reshard(unit)
         if grad_enabled and not self._recomputing_for_saved_tensors(unit):
-            tensors = [x for x in tree_flatten(output)[0] if isinstance(x, Tensor) and x.requires_grad]
-            if tensors:
+            flat = [output] if isinstance(output, Tensor) else tree_flatten(output)[0]
+            tensors = [x for x in flat if isinstance(x, Tensor) and x.requires_grad]
+            if len(tensors) == 1:  # a block's usual output: a plain tensor hook costs less than a multi-grad hook
+                tensors[0].register_hook(lambda _: self._pre_backward(unit))
+            elif tensors:
                 torch.autograd.graph.register_multi_grad_hook(tensors, lambda _: self._pre_backward(unit), mode="any")
         return output
 
@@ -471,18 +479,30 @@ class ShardRuntime(ModuleGuards):
         return [shard for shard, _ in found], [split for _, split in found]
 
 
-def _cast_inputs(unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Floating-point inputs in the unit's ``param_dtype`` when it computes in one lower than its masters and
-    autocast is off (FSDP2's ``cast_forward_inputs``): ``F.linear(fp32 input, bf16 weight)`` would raise.
-    Each tensor is cast once, so a module testing identity (``query is key``) sees the same tensor twice."""
+def _needs_cast(unit: Unit) -> bool:
+    """Floating-point inputs go in the unit's ``param_dtype`` when it computes in one lower than its masters and
+    autocast is off (FSDP2's ``cast_forward_inputs``): ``F.linear(fp32 input, bf16 weight)`` would raise."""
     storage = unit.storage
-    if storage.param_dtype == storage.master_dtype or torch.is_autocast_enabled(storage.shard.device.type):
-        return args, kwargs
+    return storage.param_dtype != storage.master_dtype and not torch.is_autocast_enabled(storage.shard.device.type)
+
+
+def _cast_floating(flat: list, dtype: torch.dtype) -> list:
+    """Each tensor cast once, so a module testing identity (``query is key``) sees the same tensor twice."""
+    cast = {id(x): x.to(dtype) for x in flat if isinstance(x, Tensor) and x.is_floating_point()}
+    return [cast.get(id(x), x) for x in flat] if cast else flat
+
+
+_LEAVES = (Tensor, int, float, bool, str, type(None))
+
+
+def _flatten_arguments(args: tuple, kwargs: dict) -> tuple[list, Callable[[list], tuple[tuple, dict]]]:
+    """A call's arguments as one flat list, and how to rebuild ``(args, kwargs)`` from it. Plain arguments (tensors,
+    numbers, strings, None: a block's usual call) skip pytree, which costs more than the rest of a hook."""
+    if all(isinstance(x, _LEAVES) for x in args) and all(isinstance(x, _LEAVES) for x in kwargs.values()):
+        count, keys = len(args), tuple(kwargs)
+        return [*args, *kwargs.values()], lambda flat: (tuple(flat[:count]), dict(zip(keys, flat[count:])))
     flat, spec = tree_flatten((args, kwargs))
-    cast = {id(x): x.to(storage.param_dtype) for x in flat if isinstance(x, Tensor) and x.is_floating_point()}
-    if not cast:
-        return args, kwargs
-    return tree_unflatten([cast.get(id(x), x) for x in flat], spec)
+    return flat, lambda values: tree_unflatten(values, spec)
 
 
 def _in_backward() -> bool:

@@ -57,10 +57,22 @@ def validate_unit_size(unit_size: object) -> Optional[int]:
     return unit_size
 
 
+def validate_min_unit_size(min_unit_size: object, unit_size: Optional[int] = None) -> Optional[int]:
+    if min_unit_size is None:
+        return None
+    if isinstance(min_unit_size, bool) or not isinstance(min_unit_size, int) or min_unit_size <= 0:
+        raise ValueError(f"`min_unit_size` must be a positive int (a number of parameters) or None, got {min_unit_size!r}.")
+    if unit_size is not None and min_unit_size > unit_size:
+        raise ValueError(f"`min_unit_size` ({min_unit_size}) is above `unit_size` ({unit_size}): units cannot be both"
+                         " at most unit_size and at least min_unit_size parameters.")
+    return min_unit_size
+
+
 def plan_units(
     root: nn.Module,
     units: Optional[Sequence[UnitSpec]] = None,
     unit_size: Optional[int] = None,
+    min_unit_size: Optional[int] = None,
 ) -> list[UnitPlan]:
     """Return the unit plans, innermost first and the root unit last.
 
@@ -69,6 +81,9 @@ def plan_units(
     class is the user's or torch's own (``nn.TransformerEncoderLayer``). A block is a module with
     parameterised children; leaves such as norms and containers (``nn.Sequential``, ``nn.ModuleList``) are
     not, so a final norm outside the layers stays in the root unit instead of becoming a tiny unit of its own.
+
+    ``min_unit_size``: consecutive sibling units smaller than this are merged, so that each collective moves
+    enough to amortise its fixed cost (the hooks and the collective's own latency, per unit and per step).
     """
     if units is not None and unit_size is not None:
         raise ValueError("Give either `units` (module classes) or `unit_size` (a parameter budget), not both.")
@@ -76,7 +91,32 @@ def plan_units(
         member_groups = _pack_by_size(root, unit_size)
     else:
         member_groups = [[name] for name in _match_classes(root, units)]
+    if min_unit_size is not None:
+        member_groups = _merge_small(root, member_groups, min_unit_size)
     return _assign_params(root, member_groups)
+
+
+def _merge_small(root: nn.Module, groups: list[list[str]], floor: int) -> list[list[str]]:
+    """Merge each group below ``floor`` parameters with the next one when both are children of one module (the
+    blocks of one ``ModuleList``), in order; a small group left at the end joins the one before it."""
+    def parent(group: list[str]) -> Optional[str]:
+        parents = {name.rpartition(".")[0] for name in group}
+        return parents.pop() if len(parents) == 1 else None
+
+    def numel(group: list[str]) -> int:
+        return sum(_subtree_numel(root.get_submodule(name)) for name in group)
+
+    merged: list[list[str]] = []
+    for group in groups:
+        last = merged[-1] if merged else None
+        if last is not None and numel(last) < floor and parent(last) is not None and parent(last) == parent(group):
+            last.extend(group)
+        else:
+            merged.append(list(group))
+    if len(merged) > 1 and numel(merged[-1]) < floor and parent(merged[-1]) is not None \
+            and parent(merged[-1]) == parent(merged[-2]):
+        merged[-2].extend(merged.pop())
+    return merged
 
 
 def class_matches(module: nn.Module, specs: Sequence[UnitSpec]) -> Optional[UnitSpec]:

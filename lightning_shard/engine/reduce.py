@@ -124,12 +124,16 @@ class GradientReducer:
         if not reduced:
             return
         # one flag per slot, in the units' fixed order: the same layout on every rank, whatever order the
-        # reductions completed in
+        # reductions completed in (a Python list: a tensor op per unit would cost more than the flags)
         sizes = [len(unit.storage.slots) for unit in self.units]
-        start = dict(zip(map(id, self.units), [sum(sizes[:i]) for i in range(len(sizes))]))
-        used_anywhere = torch.zeros(sum(sizes), dtype=torch.int64)
+        starts = [0]
+        for size in sizes[:-1]:
+            starts.append(starts[-1] + size)
+        start = dict(zip(map(id, self.units), starts))
+        used_anywhere = [0] * sum(sizes)
         for unit, _, used, _ in reduced:
-            used_anywhere[[start[id(unit)] + i for i in used]] = 1
+            for i in used:
+                used_anywhere[start[id(unit)] + i] = 1
         if self.world_size > 1:
             # the same collective also checks that the ranks train the same parameters (where one froze a
             # parameter the others train, its zeros were averaged in as a gradient), and that they reduced the
@@ -138,10 +142,10 @@ class GradientReducer:
             order = collectives.fingerprint([self.units.index(unit) for unit, *_ in reduced])
             trained = self._trained()
             device = self.units[0].storage.shard.device  # NCCL reduces device tensors only
-            checks = torch.tensor([trained, -trained, order, -order])
-            agreed = collectives.agree(torch.cat([used_anywhere, checks]).to(device), self.group, self.stats,
-                                       label="agreement on the parameters used").cpu()
-            used_anywhere, (high, low, order_high, order_low) = agreed[:-4], agreed[-4:].tolist()
+            checks = [trained, -trained, order, -order]
+            agreed = collectives.agree(torch.tensor(used_anywhere + checks, dtype=torch.int64, device=device),
+                                       self.group, self.stats, label="agreement on the parameters used").tolist()
+            used_anywhere, (high, low, order_high, order_low) = agreed[:-4], agreed[-4:]
             if high != -low:
                 raise _different_trainables()
             if order_high != -order_low:
@@ -151,9 +155,10 @@ class GradientReducer:
                     " on some ranks' data only); every rank must run the same units' backward."
                 )
         for unit, shard_grad, _, serial in reduced:
-            flags = used_anywhere[start[id(unit)] : start[id(unit)] + len(unit.storage.slots)]
+            first = start[id(unit)]
+            flags = used_anywhere[first : first + len(unit.storage.slots)]
             self.streams.reads(("reduced", serial))
-            unit.storage.accumulate_shard_grad(shard_grad, flags.nonzero().flatten().tolist())
+            unit.storage.accumulate_shard_grad(shard_grad, [i for i, flag in enumerate(flags) if flag])
 
     def abandon(self) -> None:
         """A backward that raised on every rank at the same point: wait for what is in flight (the collectives

@@ -24,7 +24,7 @@ from lightning_shard.engine.compile import (
 from lightning_shard.engine.flat_shard import FlatShard, ParamSlot
 from lightning_shard.engine.hooks import ShardRuntime
 from lightning_shard.engine.materialize import Materializer
-from lightning_shard.engine.plan import UnitPlan, UnitSpec, plan_units, root_heavy_warning
+from lightning_shard.engine.plan import UnitPlan, UnitSpec, plan_units, root_heavy_warning, validate_min_unit_size
 from lightning_shard.engine.unit import Unit
 
 SHARDING_MODES = ("full", "grad_op", "none")
@@ -41,6 +41,7 @@ def shard_module(
     sharding: str = "full",
     units: Optional[Sequence[UnitSpec]] = None,
     unit_size: Optional[int] = None,
+    min_unit_size: Optional[int] = None,
     group: Optional[dist.ProcessGroup] = None,
     param_dtype: Optional[torch.dtype] = None,
     reduce_dtype: Optional[torch.dtype] = None,
@@ -65,8 +66,10 @@ def shard_module(
     compile_options = validate_compile(compile)
     refuse_with_elision(compile_options, elide_backward_gathers)
     activation_checkpointing = validate_activation_checkpointing(activation_checkpointing)
+    min_unit_size = validate_min_unit_size(min_unit_size, unit_size)
     options = {
-        "sharding": sharding, "units": _spec_names(units), "unit_size": unit_size, "param_dtype": param_dtype,
+        "sharding": sharding, "units": _spec_names(units), "unit_size": unit_size, "min_unit_size": min_unit_size,
+        "param_dtype": param_dtype,
         "reduce_dtype": reduce_dtype, "buffer_dtype": buffer_dtype, "prefetch": prefetch, "nonfinite": nonfinite,
         "elide_backward_gathers": elide_backward_gathers,
         "activation_checkpointing": _spec_names(activation_checkpointing), "broadcast_buffers": broadcast_buffers,
@@ -81,7 +84,7 @@ def shard_module(
     world = dist.get_world_size(group) if distributed else 1
     shard_rank, shard_world = (rank, world) if sharding != "none" else (0, 1)
 
-    plans = plan_units(module, units=units, unit_size=unit_size)
+    plans = plan_units(module, units=units, unit_size=unit_size, min_unit_size=min_unit_size)
     if world > 1:
         _check_ranks_agree(plans, group)
     # under grad_op every unit stays gathered from its forward to its backward: the root is no worse than the rest

@@ -59,7 +59,7 @@ from lightning_shard.engine.hooks import ShardRuntime
 from lightning_shard.engine.optimizer_step import DEFAULT_STEP_GROUP_NUMEL
 from lightning_shard.engine.compile import refuse_with_elision, validate_compile
 from lightning_shard.engine.optimizers import WHOLE, optimizer_kind, validate_optimizer_classes
-from lightning_shard.engine.plan import UnitSpec, validate_unit_size, validate_units
+from lightning_shard.engine.plan import UnitSpec, validate_min_unit_size, validate_unit_size, validate_units
 from lightning_shard.engine.shard_module import shard_module, validate_sharding
 from lightning_shard.lightning.plan_summary import plan_listing, plan_summary
 from lightning_shard.lightning.precision import MixedPrecision, ShardPrecision, validate_mixed_precision
@@ -76,6 +76,8 @@ class ShardStrategy(ParallelStrategy):
         units: module classes, or class names, whose every instance becomes one unit.
         unit_size: a parameter budget: consecutive submodules are packed into units of at most this
             many parameters. With neither, each instance of a repeated block class is a unit.
+        min_unit_size: consecutive sibling units with fewer parameters than this are merged into one (each unit
+            costs hooks and a collective's latency per step, whatever its size; see the README's figures).
         prefetch: how many units ahead to all-gather while the current one computes (0: off).
         activation_checkpointing: ``True`` recomputes every unit's activations in backward instead of keeping
             them; module classes or class names (``["Block"]``) choose the modules to recompute (each must lie
@@ -134,6 +136,7 @@ class ShardStrategy(ParallelStrategy):
         sharding: str = "full",
         units: Optional[Union[UnitSpec, Sequence[UnitSpec]]] = None,
         unit_size: Optional[int] = None,
+        min_unit_size: Optional[int] = None,
         prefetch: int = 1,
         activation_checkpointing: CheckpointSpec = False,
         elide_backward_gathers: bool = False,
@@ -167,6 +170,7 @@ class ShardStrategy(ParallelStrategy):
         self.unit_size = validate_unit_size(unit_size)
         if self.units is not None and self.unit_size is not None:
             raise ValueError("Give either `units` (module classes) or `unit_size` (a parameter budget), not both.")
+        self.min_unit_size = validate_min_unit_size(min_unit_size, self.unit_size)
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"`prefetch` must be an int >= 0 (units gathered ahead), got {prefetch!r}.")
         self.prefetch = prefetch
@@ -291,7 +295,8 @@ class ShardStrategy(ParallelStrategy):
             self.model_to_device()
             policy = self.mixed_precision or self.precision_plugin.policy
             self.runtime = shard_module(
-                self.model, sharding=self.sharding, units=self.units, unit_size=self.unit_size, prefetch=self.prefetch,
+                self.model, sharding=self.sharding, units=self.units, unit_size=self.unit_size,
+                min_unit_size=self.min_unit_size, prefetch=self.prefetch,
                 param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype, buffer_dtype=policy.buffer_dtype,
                 nonfinite=self.nonfinite, device=self.root_device,
                 activation_checkpointing=self.activation_checkpointing,

@@ -79,6 +79,7 @@ def estimate_memory(
     sharding: str = "full",
     units: Optional[Sequence[UnitSpec]] = None,
     unit_size: Optional[int] = None,
+    min_unit_size: Optional[int] = None,
     prefetch: int = 1,
     param_dtype: Optional[torch.dtype] = None,
     master_dtype: Optional[torch.dtype] = None,
@@ -102,7 +103,7 @@ def estimate_memory(
     """
     validate_sharding(sharding)
     spec = validate_activation_checkpointing(activation_checkpointing)
-    plans = plan_units(model, units=units, unit_size=unit_size)
+    plans = plan_units(model, units=units, unit_size=unit_size, min_unit_size=min_unit_size)
     master = master_dtype or next((p.dtype for p in model.parameters()), torch.float32)
     param_dtype = param_dtype or master
     ranks = world_size if sharding != "none" else 1
