@@ -19,6 +19,8 @@ SCENARIOS = {
     "gpt": (models.TinyGPT, {}),
     "gpt_unit_size": (models.TinyGPT, {"unit_size": 700}),
     "gpt_merged_units": (models.TinyGPT, {"units": ["Block"], "min_unit_size": 2500}),  # the 3 blocks in one unit
+    # units of two blocks, the first fed raw data: its backward ends after the second's
+    "raw_input_merged_units": (models.RawInputStack, {"units": ["Sequential"], "min_unit_size": 100}),
     "tied_split": (models.SplitTiedGPT, {"units": ["Embed", "Head", "Block"]}),
     "odd": (models.Odd, {"unit_size": 9}),
     "frozen": (models.FrozenMix, {}),

@@ -247,3 +247,26 @@ class RawInputStem(nn.Module):
     @staticmethod
     def batch(generator: torch.Generator, n: int) -> torch.Tensor:
         return torch.randn(n, 3, 7, generator=generator)
+
+
+class RawInputStack(nn.Module):
+    """Blocks fed raw data (no gradient) first: merged into one unit, the first member's backward runs after the
+    others', so the unit may be reduced only once all of it has run."""
+
+    def __init__(self, d: int = 6, n_blocks: int = 4) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(d, d + 1), nn.Tanh(), nn.Linear(d + 1, d))
+                                    for _ in range(n_blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+    @staticmethod
+    def loss(model: nn.Module, batch: torch.Tensor, step: int) -> torch.Tensor:
+        return model(batch).pow(2).mean()
+
+    @staticmethod
+    def batch(generator: torch.Generator, n: int) -> torch.Tensor:
+        return torch.randn(n, 6, generator=generator)

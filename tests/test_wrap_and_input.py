@@ -45,12 +45,16 @@ def test_min_unit_size_merges_consecutive_sibling_units():
     model = models.TinyGPT(n_blocks=5)  # 2,072 parameters per block
     plans = plan_units(model, min_unit_size=4000)
     assert [p.members for p in plans[:-1]] == [["blocks.0", "blocks.1"], ["blocks.2", "blocks.3", "blocks.4"]]
-    # never across parents: the embedding and the blocks stay apart, and a unit larger than the floor is left whole
+    # only within one container: the head, a child of the model called after the blocks, stays apart
     split = models.SplitTiedGPT()
     merged = plan_units(split, units=["Embed", "Head", "Block"], min_unit_size=10**9)
-    parents = [{m.rpartition(".")[0] for m in p.members} for p in merged[:-1]]
-    assert all(len(ps) == 1 for ps in parents) and len(merged) < len(plan_units(split, units=["Embed", "Head", "Block"]))
+    assert [p.members for p in merged[:-1]] == [["blocks.0", "blocks.1", "blocks.2"], ["out"]]
     assert sorted(id(p) for plan in merged for p, _ in plan.params) == sorted({id(p) for p in split.parameters()})
+    # never above unit_size
+    packed = plan_units(models.TinyGPT(n_blocks=4), unit_size=5000, min_unit_size=5000)
+    assert [p.members for p in packed if p.members[0].startswith("blocks")] == [["blocks.0", "blocks.1"],
+                                                                               ["blocks.2", "blocks.3"]]
+    assert all(p.numel() <= 5000 for p in packed[:-1])
 
 
 def test_unit_size_never_splits_a_torch_builtin():

@@ -13,7 +13,7 @@ so dynamo breaks the graph there and runs them eagerly instead of tracing collec
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Callable, Optional
 
 import torch
@@ -34,11 +34,21 @@ def validate_compile(option: object) -> Optional[dict[str, Any]]:
     if isinstance(option, Mapping):
         unknown = [key for key in option if key not in _COMPILE_ARGS]
         if not unknown:
-            return dict(option)
+            return _plain(option)
         raise ValueError(f"`compile` got {unknown} which torch.compile does not take; its arguments are"
                          f" {', '.join(_COMPILE_ARGS)}.")
     raise ValueError("`compile` must be True, False, or a dict of torch.compile's keyword arguments (e.g."
                      f" {{'mode': 'max-autotune', 'fullgraph': True}}); got {option!r}.")
+
+
+def _plain(value: Any) -> Any:
+    """Mappings and sequences as dicts and lists all the way down: Hydra hands over DictConfig / ListConfig, which
+    inductor's option checks do not take."""
+    if isinstance(value, Mapping):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        return [_plain(item) for item in value]
+    return value
 
 
 def refuse_with_elision(compile_options: Optional[dict[str, Any]], elide_backward_gathers: bool) -> None:

@@ -147,7 +147,7 @@ class ShardRuntime(ModuleGuards):
             # a previous step that ran no backward may have left units gathered: their data may be stale
             for unit in self.units:
                 self.schedule.reshard(unit)
-                unit.backward_pending = 0
+                unit.backward_pending, unit.unseen_backward = 0, False
             for unit in self.units:
                 self._follow_requires_grad(unit)
             if step and self.world_size > 1 and torch.is_grad_enabled():
@@ -355,7 +355,9 @@ class ShardRuntime(ModuleGuards):
             flat = _cast_floating(flat, unit.storage.param_dtype)
         # each tensor once: a module may test identity (`attn(h, h, h)` projects once when `query is key`)
         inputs = list({id(x): x for x in flat if isinstance(x, Tensor) and x.requires_grad}.values()) if hook else []
-        if inputs:  # else nothing to hook: the final callback reduces this unit
+        if hook and not inputs:  # nothing to hook: the final callback reduces this unit
+            unit.unseen_backward = True
+        if inputs:
             unit.backward_pending += 1
             hooked = dict(zip(map(id, inputs), _PostBackward.apply(self, unit, *inputs)))
             flat = [hooked.get(id(x), x) for x in flat]
@@ -401,7 +403,7 @@ class ShardRuntime(ModuleGuards):
 
     def _post_backward(self, unit: Unit) -> None:
         unit.backward_pending -= 1
-        if unit.backward_pending > 0:  # another call of this unit still runs its backward
+        if unit.backward_pending > 0 or unit.unseen_backward:  # another call's backward may still be running
             return
         self.schedule.reshard(unit)  # first: its gathered buffer is free before its gradients are flattened
         self.reducer.reduce(unit)
@@ -418,7 +420,7 @@ class ShardRuntime(ModuleGuards):
         if self.nonfinite is not None:
             self._apply_nonfinite_policy()
         for unit in self.units:
-            unit.backward_pending = 0
+            unit.backward_pending, unit.unseen_backward = 0, False
             if unit is not self.root_unit or self._depth == 0:
                 self.schedule.reshard(unit)
 
@@ -428,7 +430,7 @@ class ShardRuntime(ModuleGuards):
         self._final_callback_queued = False
         self.reducer.abandon()
         for unit in self.units:
-            unit.backward_pending = 0
+            unit.backward_pending, unit.unseen_backward = 0, False
             for param in unit.storage.gathered_params:
                 param.grad = None
             self.schedule.reshard(unit)

@@ -92,29 +92,38 @@ def plan_units(
     else:
         member_groups = [[name] for name in _match_classes(root, units)]
     if min_unit_size is not None:
-        member_groups = _merge_small(root, member_groups, min_unit_size)
+        member_groups = _merge_small(root, member_groups, min_unit_size, unit_size)
     return _assign_params(root, member_groups)
 
 
-def _merge_small(root: nn.Module, groups: list[list[str]], floor: int) -> list[list[str]]:
-    """Merge each group below ``floor`` parameters with the next one when both are children of one module (the
-    blocks of one ``ModuleList``), in order; a small group left at the end joins the one before it."""
-    def parent(group: list[str]) -> Optional[str]:
+def _merge_small(root: nn.Module, groups: list[list[str]], floor: int, cap: Optional[int]) -> list[list[str]]:
+    """Merge each group below ``floor`` parameters with the next one when both lie in one container (the blocks of
+    one ``ModuleList`` or ``Sequential``, which a model calls in order) and the result stays within ``cap``
+    (``unit_size``); a small group left at the end of a container joins the one before it."""
+    def container(group: list[str]) -> Optional[str]:
         parents = {name.rpartition(".")[0] for name in group}
-        return parents.pop() if len(parents) == 1 else None
+        if len(parents) != 1:
+            return None
+        parent = parents.pop()
+        return parent if parent and isinstance(root.get_submodule(parent), _CONTAINERS) else None
 
     def numel(group: list[str]) -> int:
         return sum(_subtree_numel(root.get_submodule(name)) for name in group)
 
+    def mergeable(first: list[str], second: list[str]) -> bool:
+        return (container(first) is not None and container(first) == container(second)
+                and (cap is None or numel(first) + numel(second) <= cap))
+
     merged: list[list[str]] = []
     for group in groups:
-        last = merged[-1] if merged else None
-        if last is not None and numel(last) < floor and parent(last) is not None and parent(last) == parent(group):
-            last.extend(group)
+        if merged and numel(merged[-1]) < floor and mergeable(merged[-1], group):
+            merged[-1].extend(group)
+        elif len(merged) > 1 and numel(merged[-1]) < floor and mergeable(merged[-2], merged[-1]):
+            merged[-2].extend(merged.pop())  # the last of a container, too small: joins the one before
+            merged.append(list(group))
         else:
             merged.append(list(group))
-    if len(merged) > 1 and numel(merged[-1]) < floor and parent(merged[-1]) is not None \
-            and parent(merged[-1]) == parent(merged[-2]):
+    if len(merged) > 1 and numel(merged[-1]) < floor and mergeable(merged[-2], merged[-1]):
         merged[-2].extend(merged.pop())
     return merged
 

@@ -19,6 +19,9 @@ class Unit:
         self.is_gathered = False  # gathered data valid and registered on the members
         self.inflight: Optional[Pending] = None  # a prefetch all-gather not yet waited for
         self.backward_pending = 0  # forward calls whose post-backward has not fired yet
+        # a call under grad with no input needing grad (raw data into a first block): its backward cannot be seen
+        # ending, so the unit is reduced at the end of backward, not when its other calls' backward ends
+        self.unseen_backward = False
         self.saved_for_backward = True  # autograd saved its gathered parameters in this step's forward
         self.checkpointed = False  # a module reading its parameters is recomputed in backward
 
