@@ -39,6 +39,8 @@ BAD_INPUT = [  # (command, args, what its one line says); all fail before any ra
     (TRAIN, ["strategy=zero9"], "Could not find 'strategy/zero9'"),
     (TRAIN, ["strategy.sharding=zero9"], "`sharding` must be one of 'full', 'grad_op', 'none'; got 'zero9'"),
     (TRAIN, ["strategy.unit_size=-5"], "`unit_size` must be a positive int"),
+    (TRAIN, ["strategy.compile=maybe"], "`compile` must be True, False, or a dict of torch.compile's keyword"),
+    (TRAIN, ["strategy.min_unit_size=0"], "`min_unit_size` must be a positive int"),
     (TRAIN, ["precision=fp8"], "`precision` must be one of 32-true, bf16-mixed, 16-mixed, bf16-true; got 'fp8'"),
     ("lightning_shard.estimate", ["strategy.sharding=zero9"], "`sharding` must be one of 'full', 'grad_op', 'none'"),
     ("lightning_shard.consolidate", ["no_such.ckpt"], "does not exist"),
@@ -50,6 +52,8 @@ BAD_INPUT = [  # (command, args, what its one line says); all fail before any ra
     ("lightning_shard.bench", ["--device", "cuda", "--world", "99"],  # a bad request on any machine
      "--world 99 on cuda needs 99 GPUs" if torch.cuda.is_available() else "--device cuda: no CUDA device here"),
     ("lightning_shard.bench", ["--world", "2", "--configs", "plain"], "plain (Lightning with no strategy) runs on one"),
+    ("lightning_shard.bench", ["--world", "2", "--configs", "plain_compiled"], "plain (Lightning with no strategy)"),
+    ("lightning_shard.tools.bench_overhead", ["--blocks", "0"], "argument --blocks: must be an integer >= 1"),
     ("lightning_shard.app.sweep", ["no_such_dir"], "no job of 'no_such_dir' wrote a summary.json"),
 ]
 

@@ -52,6 +52,7 @@ from lightning_shard.app.callbacks import model_state_bytes
 from lightning_shard.app.cli import ArgumentParser, at_least
 from lightning_shard.app.models.gpt import GPT
 from lightning_shard.app.models.lit_lm import LitLanguageModel
+from lightning_shard.tools import free_port
 
 EAGER_CONFIGS = ("alone", "plain", "ddp", "fsdp2", "shard_full", "shard_grad_op", "shard_none")
 COMPILED = "_compiled"  # a config's twin with each block compiled (torch.compile per block, as torchtitan does)
@@ -447,7 +448,7 @@ def main(argv=None) -> None:
     params = sum(p.numel() for p in _gpt(args).parameters())
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "results.pkl")
-        mp.spawn(_rank_main, args=(args.world, args, _free_port(), out), nprocs=args.world, join=True)
+        mp.spawn(_rank_main, args=(args.world, args, free_port(), out), nprocs=args.world, join=True)
         ranks = []
         for rank in range(args.world):
             with open(f"{out}.{rank}", "rb") as f:
@@ -462,12 +463,3 @@ def main(argv=None) -> None:
         print(f"trace: {min(TRACE_STEPS, args.steps)} shard_full steps ({args.precision[0]}) on rank 0 after"
               f" {args.warmup} warm-up written to {args.trace} (open in https://ui.perfetto.dev or chrome://tracing)",
               flush=True)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-

@@ -26,6 +26,7 @@ import torch.multiprocessing as mp
 
 from lightning_shard.app.cli import ArgumentParser, at_least
 from lightning_shard.app.models.gpt import GPT
+from lightning_shard.tools import free_port
 
 
 def _rank_main(rank: int, world: int, args, port: int, out: str) -> None:
@@ -76,7 +77,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "eval")
-        mp.spawn(_rank_main, args=(args.world, args, _free_port(), out), nprocs=args.world, join=True)
+        mp.spawn(_rank_main, args=(args.world, args, free_port(), out), nprocs=args.world, join=True)
         with open(f"{out}.0", "rb") as f:
             result = pickle.load(f)
     print(f"{'':<28}{'median s':>10}{'x held':>8}{'gathered MB':>13}")
@@ -88,14 +89,6 @@ def main(argv=None) -> None:
           f" thread each; evaluation: {args.batches} batches of {args.batch}x{args.seq}; generation: {args.tokens} tokens"
           f" from {args.prompt}, batch 1; held costs {result['held_bytes'] / 2**20:.1f} MiB per rank; medians of"
           f" {args.rounds} rounds")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from lightning_shard.app.cli import ArgumentParser, at_least
 from lightning_shard.app.models.gpt import GPT
+from lightning_shard.tools import free_port
 
 GiB = 2**30
 
@@ -121,7 +122,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "memory")
-        mp.spawn(_rank_main, args=(args.world, args, _free_port(), out), nprocs=args.world, join=True)
+        mp.spawn(_rank_main, args=(args.world, args, free_port(), out), nprocs=args.world, join=True)
         ranks = []
         for rank in range(args.world):
             with open(f"{out}.{rank}", "rb") as f:
@@ -138,14 +139,6 @@ def main(argv=None) -> None:
               f" optimizer state {r['state'] / GiB:.2f} GiB; estimate {r['estimate']['peak'] / GiB:.2f} GiB")
     print("estimate (rank 0), GiB: " + ", ".join(f"{k} {v / GiB:.2f}" for k, v in ranks[0]["estimate"].items()))
     print("resident memory by phase (rank 0), GiB: " + ", ".join(f"{k} {v / GiB:.2f}" for k, v in ranks[0]["phases"].items()))
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

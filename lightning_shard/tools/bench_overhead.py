@@ -31,6 +31,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from lightning_shard.app.cli import ArgumentParser, at_least
+from lightning_shard.tools import free_port
 
 HOOKS = ("_enter_step", "_exit_step", "_pre_forward", "_post_forward", "_pre_backward", "_post_backward",
          "_finish_backward")
@@ -135,7 +136,7 @@ def _rank_main(rank: int, world: int, args, port: int, out: str) -> None:
 def _measure(args, world: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "results.pkl")
-        mp.spawn(_rank_main, args=(world, args, _free_port(), out), nprocs=world, join=True)
+        mp.spawn(_rank_main, args=(world, args, free_port(), out), nprocs=world, join=True)
         with open(f"{out}.0", "rb") as f:
             return pickle.load(f)
 
@@ -172,14 +173,6 @@ def main(argv=None) -> None:
                 f" rounds x {args.steps} steps, 1 thread per rank")
     rows.append("hooks: time in the engine's hooks less their collective waits; at 1 rank there is nothing to gather")
     print("\n".join(rows), flush=True)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":
