@@ -61,7 +61,8 @@ def validate_min_unit_size(min_unit_size: object, unit_size: Optional[int] = Non
     if min_unit_size is None:
         return None
     if isinstance(min_unit_size, bool) or not isinstance(min_unit_size, int) or min_unit_size <= 0:
-        raise ValueError(f"`min_unit_size` must be a positive int (a number of parameters) or None, got {min_unit_size!r}.")
+        raise ValueError(f"`min_unit_size` must be a positive int (a number of parameters) or None,"
+                         f" got {min_unit_size!r}.")
     if unit_size is not None and min_unit_size > unit_size:
         raise ValueError(f"`min_unit_size` ({min_unit_size}) is above `unit_size` ({unit_size}): units cannot be both"
                          " at most unit_size and at least min_unit_size parameters.")

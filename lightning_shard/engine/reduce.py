@@ -14,6 +14,7 @@ all-reduce of the ranks' used-parameter masks at the end of backward (DDP's ``fi
 from __future__ import annotations
 
 from contextlib import contextmanager
+from itertools import accumulate
 from typing import Iterator, Optional
 
 import torch
@@ -126,10 +127,7 @@ class GradientReducer:
         # one flag per slot, in the units' fixed order: the same layout on every rank, whatever order the
         # reductions completed in (a Python list: a tensor op per unit would cost more than the flags)
         sizes = [len(unit.storage.slots) for unit in self.units]
-        starts = [0]
-        for size in sizes[:-1]:
-            starts.append(starts[-1] + size)
-        start = dict(zip(map(id, self.units), starts))
+        start = dict(zip(map(id, self.units), accumulate(sizes, initial=0)))
         used_anywhere = [0] * sum(sizes)
         for unit, _, used, _ in reduced:
             for i in used:

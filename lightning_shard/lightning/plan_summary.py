@@ -39,10 +39,10 @@ def plan_summary(runtime: ShardRuntime, sharding: str, world_size: int) -> str:
         size = low if low == high else f"{low} - {high}"
         rows.append((f"{len(sizes)} x {kind}", f"{size} parameters{' each' if len(sizes) > 1 else ''}"))
     width = max(len(name) for name, _ in rows)
-    compiled = getattr(runtime, "options", {}).get("compile")
+    compiled = getattr(runtime, "options", {}).get("compile")  # None: off; {}: torch.compile's defaults
+    how = "" if compiled is None else f", blocks compiled (torch.compile{f'(**{compiled!r})' if compiled else ''})"
     lines = [f"lightning_shard: sharding={sharding!r}, {len(units)} units over {world_size} ranks,"
-             f" {_count(total, total >= 10_000)} parameters"
-             + ("" if compiled is None else f", blocks compiled (torch.compile{'(**' + repr(compiled) + ')' if compiled else ''})")]
+             f" {_count(total, total >= 10_000)} parameters{how}"]
     lines += [f"  {name:<{width}}  {size}" for name, size in rows]
     return "\n".join(lines)
 

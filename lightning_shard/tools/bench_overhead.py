@@ -10,8 +10,9 @@ Per world size, interleaved over ``--rounds``: each rank alone (a plain loop, no
 forward, pre/post backward, the end of backward, the step's entry and exit) are timed from outside the engine,
 each minus the time it spent waiting for a collective: *hook time* is the host work the engine adds, per step
 and per unit. ``--min-unit-size``: also the engine with consecutive blocks merged into units of at least that many
-parameters (``ShardStrategy(min_unit_size=...)``). At world 1 there is nothing to gather (a unit's gathered buffer is its shard) and the step-time
-difference to alone is the whole overhead, autograd's share of the engine's hooks included.
+parameters (``ShardStrategy(min_unit_size=...)``). At world 1 there is nothing to gather (a unit's gathered buffer
+is its shard) and the step-time difference to alone is the whole overhead, autograd's share of the engine's hooks
+included.
 """
 
 from __future__ import annotations
