@@ -40,6 +40,7 @@ def estimate_config(cfg: Any) -> tuple[MemoryEstimate, int]:
         device="cuda" if cfg.trainer.accelerator in ("gpu", "cuda") else "cpu",
         whole=optimizer in WHOLE_PARAMETER_OPTIMIZERS or optimizer in tuple(strategy.matrix_optimizers),
         step_group_numel=strategy.step_group_size,
+        shard_size=(strategy.shard_size or int(cfg.trainer.devices)) if strategy.sharding == "hybrid" else None,
     )
     return estimate, world
 

@@ -30,7 +30,7 @@ def gather_master(runtime: ShardRuntime, storage: FlatShard) -> Tensor:
     if storage.world_size == 1:
         return storage.shard
     out = storage.shard.new_empty(storage.padded_numel)
-    return collectives.all_gather(out, storage.shard, runtime.group, runtime.stats).wait()
+    return collectives.all_gather(out, storage.shard, runtime.groups.shard, runtime.stats).wait()
 
 
 @torch.no_grad()
@@ -148,8 +148,8 @@ def full_optimizer_state_dict(runtime: ShardRuntime, optimizer: Optimizer, rank0
 
 
 def _gather(runtime: ShardRuntime, flat: Tensor) -> Tensor:
-    out = flat.new_empty(flat.numel() * dist.get_world_size(runtime.group))
-    return collectives.all_gather(out, flat, runtime.group, runtime.stats).wait()
+    out = flat.new_empty(flat.numel() * runtime.groups.shard_size)
+    return collectives.all_gather(out, flat, runtime.groups.shard, runtime.stats).wait()
 
 
 def _to_cpu(value: Any) -> Any:

@@ -54,9 +54,9 @@ def _slots(runtime: ShardRuntime) -> Iterator[tuple[FlatShard, ParamSlot, Tensor
             yield unit.storage, slot, param
 
 
-def _view(storage: FlatShard, slot: ParamSlot, local: Tensor) -> Any:
+def _view(runtime: ShardRuntime, storage: FlatShard, slot: ParamSlot, local: Tensor) -> Any:
     ranges = [storage.param_range(slot, r) for r in range(storage.world_size)]
-    return sharded_view(slot.shape, ranges, storage.rank, local)
+    return sharded_view(slot.shape, ranges, storage.rank, local, runtime.shard_group_ranks)
 
 
 def _buffers(runtime: ShardRuntime) -> dict[str, Tensor]:
@@ -73,7 +73,7 @@ def model_state(runtime: ShardRuntime) -> dict[str, Any]:
     items: dict[str, Any] = {}
     with _quiet():
         for storage, slot, param in _slots(runtime):
-            view = _view(storage, slot, param.detach())
+            view = _view(runtime, storage, slot, param.detach())
             if view is not None:
                 items.update({name: view for name in slot.names})
     items.update(_buffers(runtime))
@@ -151,7 +151,7 @@ def optimizer_state(runtime: ShardRuntime, optimizer: Optimizer) -> dict[str, An
                     tensors[f"{name}.{key}"] = value.detach()  # the owner's, in the parameter's shape
                 elif isinstance(value, Tensor) and value.dim() > 0 and value.shape == param.shape:
                     elementwise.add(key)
-                    view = _view(storage, slot, value.detach())
+                    view = _view(runtime, storage, slot, value.detach())
                     if view is not None:
                         tensors[f"{name}.{key}"] = view
                 elif isinstance(value, Tensor) and value.dim() == 0:
@@ -204,7 +204,7 @@ def load_optimizer_state(
                 if key in elementwise:
                     lo, hi = storage.shard_range(slot)
                     local = torch.zeros(hi - lo, dtype=md.properties.dtype, device=storage.shard.device)
-                    view = _view(storage, slot, local)
+                    view = _view(runtime, storage, slot, local)
                     if view is not None:
                         items[f"{prefix}{name}.{key}"] = view
                 else:

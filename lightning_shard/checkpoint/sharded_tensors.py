@@ -55,14 +55,17 @@ def range_blocks(shape: Sequence[int], lo: int, hi: int) -> list[Block]:
 
 
 def sharded_view(
-    shape: Sequence[int], ranges: Sequence[tuple[int, int]], rank: int, local: Tensor
+    shape: Sequence[int], ranges: Sequence[tuple[int, int]], rank: int, local: Tensor,
+    global_ranks: Optional[Sequence[int]] = None,
 ) -> Optional[Union[ShardedTensor, Tensor]]:
-    """A checkpointable view of a tensor of ``shape`` whose flat range ``ranges[r]`` lives on rank ``r``.
+    """A checkpointable view of a tensor of ``shape`` whose flat range ``ranges[r]`` lives on shard rank ``r``,
+    the global rank ``global_ranks[r]`` (default ``r``: the shard group is the world).
 
     ``local`` is this rank's part (1-D, ``ranges[rank]`` long); the result shares its storage, so DCP
     saves from it and loads into it. A tensor held whole by its rank (replicated, or of fewer than two
     elements) is a plain tensor, and ``None`` on a rank holding none of it: DCP writes one copy of a
-    plain tensor, so only holders may offer it.
+    plain tensor, so only holders may offer it. Replicas (hybrid sharding) offer the same blocks, at the same
+    offsets, each placed on its own ranks: DCP writes one copy of each block.
     """
     shape = torch.Size(shape)
     if len(ranges) == 1 or shape.numel() < 2:
@@ -73,7 +76,8 @@ def sharded_view(
     my_lo = ranges[rank][0]
     for r, (lo, hi) in enumerate(ranges):
         for offsets, sizes, start in range_blocks(shape, lo, hi):
-            md = ShardMetadata(list(offsets), list(sizes), f"rank:{r}/{placement_device}")
+            placed = global_ranks[r] if global_ranks is not None else r
+            md = ShardMetadata(list(offsets), list(sizes), f"rank:{placed}/{placement_device}")
             shards_md.append(md)
             if r == rank:
                 view = local[start - my_lo : start - my_lo + math.prod(sizes)].view(sizes)

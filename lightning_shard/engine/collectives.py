@@ -34,9 +34,14 @@ class CommStats:
     agreements: int = 0  # tiny all-reduces by which the ranks share a decision (not counted as bytes above)
     broadcast_bytes: int = 0  # buffers (BatchNorm running stats ...) sent from rank 0
     all_to_all_bytes: int = 0  # whole parameters to and from their owners (matrix optimizers), sent by this rank
+    # the gradient shards' all-reduce across replicas (hybrid: between shard groups, i.e. nodes; "none": all ranks);
+    # not in all_reduce_bytes, which counts the rest (norms, finiteness)
+    cross_group_bytes: int = 0
 
     def as_dict(self) -> dict[str, float]:
-        return dict(self.__dict__)
+        """The fields, and ``in_group_bytes``: what moved within shard groups (gathers, reduce-scatters, owners)."""
+        return {**self.__dict__,
+                "in_group_bytes": self.all_gather_bytes + self.reduce_scatter_bytes + self.all_to_all_bytes}
 
     def reset(self) -> None:
         self.__init__()  # type: ignore[misc]
@@ -127,9 +132,14 @@ def reduce_scatter(flat: Tensor, group, stats: CommStats, async_op: bool = False
 
 
 def all_reduce(flat: Tensor, group, stats: CommStats, async_op: bool = False, label: str = "all-reduce",
-               op: dist.ReduceOp = dist.ReduceOp.SUM) -> Pending:
-    """Reduce ``flat`` over ranks (a sum unless ``op`` says otherwise), in place."""
-    stats.all_reduce_bytes += 2 * flat.numel() * flat.element_size()  # a reduce-scatter plus an all-gather
+               op: dist.ReduceOp = dist.ReduceOp.SUM, across_replicas: bool = False) -> Pending:
+    """Reduce ``flat`` over ranks (a sum unless ``op`` says otherwise), in place. ``across_replicas``: counted as
+    ``cross_group_bytes`` (the gradients' all-reduce between replicas)."""
+    moved = 2 * flat.numel() * flat.element_size()  # a reduce-scatter plus an all-gather
+    if across_replicas:
+        stats.cross_group_bytes += moved
+    else:
+        stats.all_reduce_bytes += moved
     launch = functools.partial(dist.all_reduce, flat, op=op, group=group)
     return _run(launch, flat, stats, async_op, label=label)
 

@@ -15,10 +15,11 @@ from __future__ import annotations
 import warnings
 from typing import Callable, Optional
 
+import torch
 import torch.distributed as dist
 
 from lightning_shard.engine import collectives
-from lightning_shard.engine.collectives import CommStats
+from lightning_shard.engine.collectives import CommStats, Pending
 from lightning_shard.engine.streams import Streams
 from lightning_shard.engine.unit import Unit
 
@@ -59,10 +60,15 @@ class GatherSchedule:
         streams.handover("compute", "gather")
         with streams.on("gather"):
             streams.reads(("shard", unit.name))
-            unit.inflight = collectives.all_gather(
-                buffer, storage.shard_for_gather(), self.group, self.stats, async_op=True,
-                label=f"all-gather of unit {unit.name!r}",
-            )
+            if storage.world_size == 1:  # replicated, computing in a lower dtype: the gathered copy is a cast
+                with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buffer):  # as all_gather
+                    buffer.copy_(storage.shard)
+                unit.inflight = Pending(None, buffer, self.stats)
+            else:
+                unit.inflight = collectives.all_gather(
+                    buffer, storage.shard_for_gather(), self.group, self.stats, async_op=True,
+                    label=f"all-gather of unit {unit.name!r}",
+                )
 
     def _land(self, unit: Unit) -> None:
         """The unit's all-gather completes on the gather stream, whose work compute then waits for."""

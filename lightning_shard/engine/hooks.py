@@ -34,6 +34,7 @@ from lightning_shard.engine import collectives, norms
 from lightning_shard.engine.collectives import CommStats
 from lightning_shard.engine.elision import BackwardElision
 from lightning_shard.engine.gather import GatherSchedule
+from lightning_shard.engine.groups import ShardGroups
 from lightning_shard.engine.guards import ModuleGuards
 from lightning_shard.engine.optimizer_attach import OptimizerAttachment
 from lightning_shard.engine.optimizer_step import DEFAULT_STEP_GROUP_NUMEL, ShardedStep
@@ -65,7 +66,7 @@ class ShardRuntime(ModuleGuards):
         root: nn.Module,
         units: list[Unit],
         root_unit: Optional[Unit],
-        group: Optional[dist.ProcessGroup],
+        groups: ShardGroups,
         reduce_dtype: Optional[torch.dtype] = None,
         prefetch: int = 1,
         nonfinite: Optional[str] = None,
@@ -75,8 +76,10 @@ class ShardRuntime(ModuleGuards):
         self.root = root
         self.units = units  # root unit last
         self.root_unit = root_unit
-        self.group = group
-        self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.groups = groups
+        self.group = groups.world  # agreements, buffers; gathers and reductions use groups.shard / groups.replicate
+        self.world_size = groups.world_size
+        self.shard_group_ranks = groups.shard_ranks
         self.nonfinite = nonfinite  # None, "skip" or "error": what a non-finite gradient does
         self.steps_done = 0
         self.skipped_steps = 0
@@ -88,9 +91,10 @@ class ShardRuntime(ModuleGuards):
         self._training_forward_since_step = True
         device = units[0].storage.shard.device if units else torch.device("cpu")
         self.streams = streams_for(device, check=os.environ.get(CHECK_STREAMS) == "1")
-        self.schedule = GatherSchedule(group, self.stats, prefetch, self.streams)
-        self.elision = BackwardElision(units, self.schedule, elide_backward_gathers, group, self.world_size, self.stats)
-        self.reducer = GradientReducer(units, group, self.world_size, reduce_dtype, self.stats, self.schedule)
+        self.schedule = GatherSchedule(groups.shard, self.stats, prefetch, self.streams)
+        self.elision = BackwardElision(units, self.schedule, elide_backward_gathers, groups.world, self.world_size,
+                                       self.stats)
+        self.reducer = GradientReducer(units, groups, reduce_dtype, self.stats, self.schedule)
         self._depth = 0  # nesting of steps / root forwards
         self._final_callback_queued = False  # a backward is running
         self._handles: list[Any] = []
@@ -100,7 +104,7 @@ class ShardRuntime(ModuleGuards):
         self._steps_driven = False  # run_step is in use: a bare root forward is not a step
         self._held = False  # inside keep_gathered(): every unit gathered, forwards run no collective
         self.undo: list[Callable[[], None]] = []  # restores what was wrapped at setup (activation checkpointing)
-        self.optimizers = OptimizerAttachment(units, group, self.world_size, self.stats)
+        self.optimizers = OptimizerAttachment(units, groups.shard, groups.shard_size, self.stats)
         self._install_hooks()
 
     @property
@@ -281,6 +285,11 @@ class ShardRuntime(ModuleGuards):
         """Accumulate unsharded gradients locally, without reduction (costs a full gradient per unit)."""
         return self.reducer.no_sync()
 
+    def no_replica_sync(self) -> Any:
+        """Accumulate with the reduce-scatters (gradients stay sharded) but without the all-reduce across replicas
+        (``hybrid``, ``none``): the first backward outside all-reduces the sum (FSDP2's ``set_requires_all_reduce``)."""
+        return self.reducer.no_replica_sync()
+
     # -- hooks --------------------------------------------------------------------------------------
     def _install_hooks(self) -> None:
         # module hooks run eagerly even when reached from a compiled frame (engine/compile.py): dynamo breaks the
@@ -454,7 +463,7 @@ class ShardRuntime(ModuleGuards):
         """Clip by the norm over all shards, as ``torch.nn.utils.clip_grad_norm_`` on the unsharded model."""
         shards, sharded = self._shards_of(list(parameters))
         return norms.clip_grad_norm_(shards, sharded, max_norm, norm_type, self.units[0].storage.shard.device,
-                                     self.group, self.stats)
+                                     self.groups.shard, self.stats)
 
     def grad_norms(self, norm_type: float = 2.0) -> tuple[list[str], Tensor, Tensor]:
         """The names of the parameters that have a gradient, each one's gradient norm over all shards, and their
@@ -463,7 +472,7 @@ class ShardRuntime(ModuleGuards):
         shards, sharded = self._shards_of([p for _, p in named])
         kept = [i for i, shard in enumerate(shards) if shard.grad is not None]
         each, total = norms.grad_norms([shards[i].grad for i in kept], [sharded[i] for i in kept], norm_type,
-                                       self.units[0].storage.shard.device, self.group, self.stats)
+                                       self.units[0].storage.shard.device, self.groups.shard, self.stats)
         return [named[i][0] for i in kept], each, total
 
     def _shards_of(self, parameters: list[Tensor]) -> tuple[list[nn.Parameter], list[bool]]:

@@ -3,7 +3,9 @@
 kernels do the local work, one all-reduce combines the ranks).
 
 A p-norm of a sharded gradient is ``(sum over ranks of |local shard|_p ** p) ** (1/p)`` (the max over ranks for
-p = inf). A gradient every rank holds whole (a replicated unit) counts once, from rank 0."""
+p = inf). A gradient every rank holds whole (a replicated unit) counts once, from rank 0. The ranks are those of
+the shard group: under hybrid sharding the replicas hold identical gradient shards (all-reduced), so each shard
+group computes the same norm alone, and nothing is counted once per replica."""
 
 from __future__ import annotations
 

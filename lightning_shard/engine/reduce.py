@@ -5,6 +5,11 @@ One reduction is in flight while the next unit's backward computes: each holds a
 until it completes (unbounded, they would hold the whole model's by the end of backward), and the next unit's
 is flattened only once it has completed, so a rank holds at most one unit's gradients twice.
 
+Hybrid sharding (and ``none``) adds a second stage: once a unit's reduce-scatter within its shard group has
+completed, its gradient shard is all-reduced across the replicas (async, shard-sized), overlapping later units'
+backward too. While accumulating (:meth:`GradientReducer.no_replica_sync`) the shards are summed locally and
+all-reduced once, by the backward of the last micro-batch.
+
 Which collectives run and which gradients count is never one rank's local view: every unit with trainable
 parameters is reduced once per backward on every rank (a unit that got no gradient here contributes
 zeros), and a parameter keeps ``grad=None`` only if it got no gradient on *any* rank, agreed by one small
@@ -14,6 +19,7 @@ all-reduce of the ranks' used-parameter masks at the end of backward (DDP's ``fi
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 from itertools import accumulate
 from typing import Iterator, Optional
 
@@ -24,26 +30,44 @@ from torch import Tensor
 from lightning_shard.engine import collectives
 from lightning_shard.engine.collectives import CommStats, Pending
 from lightning_shard.engine.gather import GatherSchedule
+from lightning_shard.engine.groups import ShardGroups
 from lightning_shard.engine.streams import Streams
 from lightning_shard.engine.unit import Unit
 
 MAX_PENDING_REDUCTIONS = 1  # overlapping the next unit's backward
 
 
+@dataclass
+class _Reduction:
+    """One unit's gradients on their way to its shard parameters."""
+
+    unit: Unit
+    pending: Pending  # the collective in flight (reduce-scatter, then the all-reduce across replicas)
+    used: list[int]  # slots that got a gradient on this rank (then: on any rank, and in any backward carried here)
+    serial: int  # numbers its buffers for the stream checker (a unit may reduce twice)
+    deferred: bool = False  # summed locally, all-reduced across replicas by a later backward (no_replica_sync)
+
+
 class GradientReducer:
-    def __init__(self, units: list[Unit], group: Optional[dist.ProcessGroup], world_size: int,
-                 reduce_dtype: Optional[torch.dtype], stats: CommStats, schedule: GatherSchedule) -> None:
+    def __init__(self, units: list[Unit], groups: ShardGroups, reduce_dtype: Optional[torch.dtype],
+                 stats: CommStats, schedule: GatherSchedule) -> None:
         self.units = units
-        self.group = group
-        self.world_size = world_size
+        self.groups = groups
+        self.group = groups.world  # the agreements
+        self.world_size = groups.world_size
         self.reduce_dtype = reduce_dtype
         self.stats = stats
         self.schedule = schedule  # for its trace
         self.streams: Streams = schedule.streams
         self.sync_grads = True  # False while accumulating without reduction (see no_sync)
-        self._pending: list[tuple[Unit, Pending, list[int], int]] = []
-        self._reduced: list[tuple[Unit, Tensor, list[int], int]] = []  # waiting for the ranks' agreed used-mask
-        self._reductions = 0  # numbers each reduction's buffers for the stream checker (a unit may reduce twice)
+        self.sync_replicas = True  # False while accumulating without the all-reduce across replicas
+        self._pending: list[_Reduction] = []  # reduce-scatters in flight
+        self._replicating: list[_Reduction] = []  # all-reduces across replicas in flight
+        self._reduced: list[_Reduction] = []  # waiting for the ranks' agreed used-mask
+        # id(unit) -> its gradient shard summed over the backwards not yet all-reduced across replicas, and the
+        # slots used in them (agreed)
+        self._unsynced: dict[int, tuple[Tensor, set[int]]] = {}
+        self._reductions = 0
         self._done: set[int] = set()  # ids of units reduced in this backward
         self._trainable_check: Optional[Pending] = None  # the ranks' comparison of what they train, in flight
 
@@ -55,6 +79,16 @@ class GradientReducer:
             yield
         finally:
             self.sync_grads = previous
+
+    @contextmanager
+    def no_replica_sync(self) -> Iterator[None]:
+        """Reduce-scatter within the shard group as usual (gradients stay at 1/G), but sum the shards locally and
+        leave the all-reduce across replicas to the first backward outside (hybrid sharding's accumulation)."""
+        previous, self.sync_replicas = self.sync_replicas, False
+        try:
+            yield
+        finally:
+            self.sync_replicas = previous
 
     def reduce(self, unit: Unit, sweep: bool = False) -> None:
         """Start reducing the unit's gradients (a unit's post-backward; ``sweep``: the end of backward, for
@@ -76,13 +110,9 @@ class GradientReducer:
             if self.world_size > 1:
                 flat.div_(self.world_size)  # average like DDP: divide first, then sum
             self.schedule.note("reduce", unit)
-            label = f"of unit {unit.name!r}'s gradients"
             if storage.world_size > 1:
-                pending = collectives.reduce_scatter(flat, self.group, self.stats, async_op=True,
-                                                     label=f"reduce-scatter {label}")
-            elif self.world_size > 1:
-                pending = collectives.all_reduce(flat, self.group, self.stats, async_op=True,
-                                                 label=f"all-reduce {label}")
+                pending = collectives.reduce_scatter(flat, self.groups.shard, self.stats, async_op=True,
+                                                     label=f"reduce-scatter of unit {unit.name!r}'s gradients")
             else:
                 pending = Pending(None, flat, self.stats)
         # the gradients were allocated on compute and read (flattened) on reduce: freed once compute has waited for
@@ -90,7 +120,9 @@ class GradientReducer:
         streams.handover("reduce", "compute")
         streams.writes(("grads", serial))
         del grads
-        self._pending.append((unit, pending, used, serial))
+        self._pending.append(_Reduction(unit, pending, used, serial))
+        if storage.world_size == 1:  # nothing to reduce-scatter: on to the replicas at once
+            self._complete_oldest()
 
     def compare_trainable(self) -> None:
         """Start comparing the parameters the ranks train (a step's start, before anything is reduced): which units
@@ -118,8 +150,7 @@ class GradientReducer:
         then wait for every reduction and hand the gradient shards to the shard parameters."""
         for unit in self.units:
             self.reduce(unit, sweep=True)
-        while self._pending:
-            self._complete_oldest()
+        self._complete_all()
         self._done.clear()
         reduced, self._reduced = self._reduced, []
         if not reduced:
@@ -129,15 +160,15 @@ class GradientReducer:
         sizes = [len(unit.storage.slots) for unit in self.units]
         start = dict(zip(map(id, self.units), accumulate(sizes, initial=0)))
         used_anywhere = [0] * sum(sizes)
-        for unit, _, used, _ in reduced:
-            for i in used:
-                used_anywhere[start[id(unit)] + i] = 1
+        for r in reduced:
+            for i in r.used:
+                used_anywhere[start[id(r.unit)] + i] = 1
         if self.world_size > 1:
             # the same collective also checks that the ranks train the same parameters (where one froze a
             # parameter the others train, its zeros were averaged in as a gradient), and that they reduced the
             # units in the same order (where a unit's backward ran on some ranks only, they summed unrelated
             # gradients)
-            order = collectives.fingerprint([self.units.index(unit) for unit, *_ in reduced])
+            order = collectives.fingerprint([self.units.index(r.unit) for r in reduced])
             trained = self._trained()
             device = self.units[0].storage.shard.device  # NCCL reduces device tensors only
             checks = [trained, -trained, order, -order]
@@ -152,28 +183,60 @@ class GradientReducer:
                     " unrelated gradients. A unit's backward ran on some ranks only (a loss term or a unit used"
                     " on some ranks' data only); every rank must run the same units' backward."
                 )
-        for unit, shard_grad, _, serial in reduced:
-            first = start[id(unit)]
-            flags = used_anywhere[first : first + len(unit.storage.slots)]
-            self.streams.reads(("reduced", serial))
-            unit.storage.accumulate_shard_grad(shard_grad, [i for i, flag in enumerate(flags) if flag])
+        for r in reduced:
+            first = start[id(r.unit)]
+            flags = used_anywhere[first : first + len(r.unit.storage.slots)]
+            used = [i for i, flag in enumerate(flags) if flag]
+            self.streams.reads(("reduced", r.serial))
+            if r.deferred:
+                self._unsynced[id(r.unit)] = (r.pending.result, set(used))
+            else:
+                r.unit.storage.accumulate_shard_grad(r.pending.result, used)
 
     def abandon(self) -> None:
         """A backward that raised on every rank at the same point: wait for what is in flight (the collectives
         were issued everywhere), keep nothing. A rank-local failure cannot be recovered: the other ranks
         wait in their next collective until the process group timeout turns it into an error."""
-        while self._pending:
-            self._complete_oldest()
+        for r in self._pending + self._replicating:  # no new collective: what was issued everywhere completes
+            with self.streams.on("reduce"):
+                r.pending.wait()
+            self.streams.handover("reduce", "compute")
+        self._pending.clear()
+        self._replicating.clear()
         self._reduced.clear()
         self._done.clear()
 
     def _complete_oldest(self) -> None:
-        unit, pending, used, serial = self._pending.pop(0)
+        """The oldest reduce-scatter has completed: add what earlier backwards left unsynced, then all-reduce
+        across the replicas (or defer that, or hand it over when there are none)."""
+        r = self._pending.pop(0)
         with self.streams.on("reduce"):
-            reduced = pending.wait()
-            self.streams.writes(("reduced", serial))
+            shard_grad = r.pending.wait()
+            carried = self._unsynced.pop(id(r.unit), None)
+            if carried is not None:
+                shard_grad.add_(carried[0])
+                r.used = sorted(set(r.used) | carried[1])
+            if self.groups.replicas > 1 and self.sync_replicas:
+                r.pending = collectives.all_reduce(shard_grad, self.groups.replicate, self.stats, async_op=True,
+                                                   label=f"all-reduce across replicas of unit {r.unit.name!r}'s"
+                                                   " gradients", across_replicas=True)
+                self._replicating.append(r)
+                return
+            r.deferred = self.groups.replicas > 1
+            self.streams.writes(("reduced", r.serial))
         self.streams.handover("reduce", "compute")
-        self._reduced.append((unit, reduced, used, serial))
+        self._reduced.append(r)
+
+    def _complete_all(self) -> None:
+        while self._pending:
+            self._complete_oldest()
+        for r in self._replicating:
+            with self.streams.on("reduce"):
+                r.pending.wait()
+                self.streams.writes(("reduced", r.serial))
+            self.streams.handover("reduce", "compute")
+            self._reduced.append(r)
+        self._replicating.clear()
 
     def first_nonfinite(self) -> Optional[Unit]:
         """The first unit with a non-finite gradient shard on any rank (all ranks get the same answer)."""

@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_shard.engine.activation_checkpointing import (
     CheckpointSpec,
@@ -22,19 +23,11 @@ from lightning_shard.engine.compile import (
     warn_if_compiled_by_user,
 )
 from lightning_shard.engine.flat_shard import FlatShard, ParamSlot
+from lightning_shard.engine.groups import build_groups, validate_shard_size, validate_sharding
 from lightning_shard.engine.hooks import ShardRuntime
 from lightning_shard.engine.materialize import Materializer
 from lightning_shard.engine.plan import UnitPlan, UnitSpec, plan_units, root_heavy_warning, validate_min_unit_size
 from lightning_shard.engine.unit import Unit
-
-SHARDING_MODES = ("full", "grad_op", "none")
-
-
-def validate_sharding(sharding: object) -> str:
-    if sharding not in SHARDING_MODES:
-        raise ValueError(f"`sharding` must be one of {', '.join(map(repr, SHARDING_MODES))}; got {sharding!r}.")
-    return sharding  # type: ignore[return-value]
-
 
 def shard_module(
     module: nn.Module,
@@ -53,6 +46,8 @@ def shard_module(
     activation_checkpointing: CheckpointSpec = False,
     broadcast_buffers: bool = True,
     compile: object = False,
+    shard_size: Optional[int] = None,
+    mesh: Optional[DeviceMesh] = None,
 ) -> ShardRuntime:
     """Shard ``module``'s parameters across ``group`` and install the hooks that gather them on use.
 
@@ -60,9 +55,14 @@ def shard_module(
     which broadcasts rank 0's parameters), so ranks need not share a seed. A model built on the meta
     device is materialised on ``device`` unit by unit with its modules' ``reset_parameters()``: a rank
     holds its shards plus at most one full unit, never the whole model. ``compile``: ``True`` or torch.compile's
-    keyword arguments compile each unit's blocks (engine/compile.py).
+    keyword arguments compile each unit's blocks (engine/compile.py). ``sharding="hybrid"``: sharded within groups
+    of ``shard_size`` consecutive ranks (default: LOCAL_WORLD_SIZE, the devices per node), replicated across
+    them; or over the given 2-D ``mesh`` (replicate, shard) (engine/groups.py).
     """
     validate_sharding(sharding)
+    shard_size = validate_shard_size(shard_size, sharding)
+    if mesh is not None and sharding != "hybrid":
+        raise ValueError(f"`mesh` is for sharding='hybrid' (a 2-D DeviceMesh: replicate, shard), not {sharding!r}.")
     compile_options = validate_compile(compile)
     refuse_with_elision(compile_options, elide_backward_gathers)
     activation_checkpointing = validate_activation_checkpointing(activation_checkpointing)
@@ -73,7 +73,7 @@ def shard_module(
         "reduce_dtype": reduce_dtype, "buffer_dtype": buffer_dtype, "prefetch": prefetch, "nonfinite": nonfinite,
         "elide_backward_gathers": elide_backward_gathers,
         "activation_checkpointing": _spec_names(activation_checkpointing), "broadcast_buffers": broadcast_buffers,
-        "compile": compile_options,
+        "compile": compile_options, "shard_size": shard_size,
     }
     existing = getattr(module, "_shard_runtime", None)
     if existing is not None:
@@ -82,19 +82,19 @@ def shard_module(
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank(group) if distributed else 0
     world = dist.get_world_size(group) if distributed else 1
-    shard_rank, shard_world = (rank, world) if sharding != "none" else (0, 1)
 
     plans = plan_units(module, units=units, unit_size=unit_size, min_unit_size=min_unit_size)
     if world > 1:
         _check_ranks_agree(plans, group)
+    materializer = Materializer(module, device or _first_real_device(module))
+    groups = build_groups(sharding, group, shard_size, materializer.device, mesh)
     # under grad_op every unit stays gathered from its forward to its backward: the root is no worse than the rest
-    root_heavy = root_heavy_warning(module, plans) if sharding == "full" and world > 1 and rank == 0 else None
+    root_heavy = root_heavy_warning(module, plans) if sharding in ("full", "hybrid") and world > 1 and rank == 0 else None
     if root_heavy:
         warnings.warn(root_heavy, stacklevel=2)
     compiled_by_user = warn_if_compiled_by_user(module, elide_backward_gathers) if rank == 0 else None
     if compiled_by_user:
         warnings.warn(compiled_by_user, stacklevel=2)
-    materializer = Materializer(module, device or _first_real_device(module))
     built: list[Unit] = []
     root_unit = None
     for plan in plans:
@@ -105,12 +105,12 @@ def shard_module(
         plan.params.clear()  # the unit's full tensors go with their last reference
         if world > 1:
             dist.broadcast(flat, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-        storage = FlatShard(slots, flat, shard_rank, shard_world, param_dtype=param_dtype)
+        storage = FlatShard(slots, flat, groups.shard_rank, groups.shard_size, param_dtype=param_dtype)
         del flat
         storage.use_shards()
         is_root = plan.members == [""]
         members = [module.get_submodule(name) for name in plan.members]
-        unit = Unit(plan.name, members, storage, reshard_after_forward=sharding == "full" and not is_root)
+        unit = Unit(plan.name, members, storage, reshard_after_forward=sharding in ("full", "hybrid") and not is_root)
         built.append(unit)
         if is_root:
             root_unit = unit
@@ -121,7 +121,7 @@ def shard_module(
                 if buffer is not None and buffer.is_floating_point():
                     submodule._buffers[name] = buffer.to(buffer_dtype)
 
-    runtime = ShardRuntime(module, built, root_unit, group, reduce_dtype=reduce_dtype, prefetch=prefetch,
+    runtime = ShardRuntime(module, built, root_unit, groups, reduce_dtype=reduce_dtype, prefetch=prefetch,
                            nonfinite=nonfinite, elide_backward_gathers=elide_backward_gathers,
                            broadcast_buffers=broadcast_buffers)
     runtime.sync_buffers()  # rank 0's, as DDP starts

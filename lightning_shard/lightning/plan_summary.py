@@ -41,7 +41,12 @@ def plan_summary(runtime: ShardRuntime, sharding: str, world_size: int) -> str:
     width = max(len(name) for name, _ in rows)
     compiled = getattr(runtime, "options", {}).get("compile")  # None: off; {}: torch.compile's defaults
     how = "" if compiled is None else f", blocks compiled (torch.compile{f'(**{compiled!r})' if compiled else ''})"
-    lines = [f"lightning_shard: sharding={sharding!r}, {len(units)} units over {world_size} ranks,"
+    groups = runtime.groups
+    if sharding == "hybrid":
+        sharding = f"{sharding!r} (shard groups of {groups.shard_size} ranks, {groups.replicas} replicas)"
+    else:
+        sharding = repr(sharding)
+    lines = [f"lightning_shard: sharding={sharding}, {len(units)} units over {world_size} ranks,"
              f" {_count(total, total >= 10_000)} parameters{how}"]
     lines += [f"  {name:<{width}}  {size}" for name, size in rows]
     return "\n".join(lines)

@@ -60,7 +60,8 @@ from lightning_shard.engine.optimizer_step import DEFAULT_STEP_GROUP_NUMEL
 from lightning_shard.engine.compile import refuse_with_elision, validate_compile
 from lightning_shard.engine.optimizers import WHOLE, optimizer_kind, validate_optimizer_classes
 from lightning_shard.engine.plan import UnitSpec, validate_min_unit_size, validate_unit_size, validate_units
-from lightning_shard.engine.shard_module import shard_module, validate_sharding
+from lightning_shard.engine.groups import validate_shard_size, validate_sharding
+from lightning_shard.engine.shard_module import shard_module
 from lightning_shard.lightning.plan_summary import plan_listing, plan_summary
 from lightning_shard.lightning.precision import MixedPrecision, ShardPrecision, validate_mixed_precision
 from lightning_shard.memory.estimate import MemoryEstimate, estimate_sharded
@@ -72,7 +73,12 @@ class ShardStrategy(ParallelStrategy):
     Args:
         sharding: ``"full"`` (ZeRO-3: parameters, gradients and optimizer state sharded; parameters
             gathered per unit in forward and again in backward), ``"grad_op"`` (ZeRO-2: parameters stay
-            gathered from forward to backward), ``"none"`` (replicated, DDP-like).
+            gathered from forward to backward), ``"hybrid"`` (HSDP: ``full`` within groups of ``shard_size``
+            ranks, replicated across the groups; gradient shards all-reduced between them), ``"none"``
+            (replicated, DDP-like).
+        shard_size: ranks per shard group under ``sharding="hybrid"``; default: the devices per node, so that
+            all-gathers and reduce-scatters stay within a node and only the gradient shards' all-reduce crosses
+            nodes. The world size must be a multiple of it.
         units: module classes, or class names, whose every instance becomes one unit.
         unit_size: a parameter budget: consecutive submodules are packed into units of at most this
             many parameters. With neither, each instance of a repeated block class is a unit.
@@ -88,9 +94,10 @@ class ShardStrategy(ParallelStrategy):
         broadcast_buffers: as DDP's: rank 0's buffers (BatchNorm running statistics) are broadcast before a step
             that follows a training step. ``False`` leaves each rank its own (as FSDP does); checkpoints still
             hold rank 0's.
-        reduce_during_accumulation: reduce-scatter gradients after every micro-batch, keeping gradient
-            memory at 1/N. ``False`` skips the reduction on non-final micro-batches of
-            ``accumulate_grad_batches``: less communication, but a full gradient per unit is held.
+        reduce_during_accumulation: reduce-scatter gradients after every micro-batch of
+            ``accumulate_grad_batches``, keeping gradient memory at 1/N; the all-reduce across replicas
+            (``hybrid``, ``none``), which saves no memory, runs once, after the last micro-batch. ``False`` skips
+            every reduction on non-final micro-batches: less communication, but a full gradient per unit is held.
         mixed_precision: dtypes of gathers/compute, gradient reduction and buffers; wins over the
             Trainer's ``precision`` string (which otherwise decides, see ``lightning_shard.lightning.precision``).
         nonfinite: ``None`` (default, no check), ``"skip"`` (a step whose gradients are not finite on any
@@ -134,6 +141,7 @@ class ShardStrategy(ParallelStrategy):
     def __init__(
         self,
         sharding: str = "full",
+        shard_size: Optional[int] = None,
         units: Optional[Union[UnitSpec, Sequence[UnitSpec]]] = None,
         unit_size: Optional[int] = None,
         min_unit_size: Optional[int] = None,
@@ -166,6 +174,7 @@ class ShardStrategy(ParallelStrategy):
             precision_plugin=precision_plugin,
         )
         self.sharding = validate_sharding(sharding)
+        self.shard_size = validate_shard_size(shard_size, sharding)
         self.units = validate_units(units)
         self.unit_size = validate_unit_size(unit_size)
         if self.units is not None and self.unit_size is not None:
@@ -181,7 +190,9 @@ class ShardStrategy(ParallelStrategy):
         if not isinstance(broadcast_buffers, bool):
             raise ValueError(f"`broadcast_buffers` must be True or False, got {broadcast_buffers!r}.")
         self.broadcast_buffers = broadcast_buffers
-        self.reduce_during_accumulation = bool(reduce_during_accumulation)
+        if not isinstance(reduce_during_accumulation, bool):
+            raise ValueError(f"`reduce_during_accumulation` must be True or False, got {reduce_during_accumulation!r}.")
+        self.reduce_during_accumulation = reduce_during_accumulation
         self.mixed_precision = validate_mixed_precision(mixed_precision)
         if nonfinite not in (None, "skip", "error"):
             raise ValueError(f"`nonfinite` must be None, 'skip' or 'error'; got {nonfinite!r}.")
@@ -302,6 +313,7 @@ class ShardStrategy(ParallelStrategy):
                 activation_checkpointing=self.activation_checkpointing,
                 elide_backward_gathers=self.elide_backward_gathers, broadcast_buffers=self.broadcast_buffers,
                 compile=False if self.compile is None else self.compile,
+                shard_size=(self.shard_size or self.num_processes) if self.sharding == "hybrid" else None,
             )
             rank_zero_info(plan_summary(self.runtime, self.sharding, self.world_size))
             rank_zero_debug("lightning_shard units:\n" + plan_listing(self.runtime))
@@ -442,8 +454,11 @@ class ShardStrategy(ParallelStrategy):
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Non-final micro-batches of gradient accumulation."""
-        if self.reduce_during_accumulation or self.runtime is None:
+        if self.runtime is None:
             yield
+        elif self.reduce_during_accumulation:  # reduce-scatters as usual, the all-reduce across replicas once
+            with self.runtime.no_replica_sync():
+                yield
         else:
             with self.runtime.no_sync():
                 yield

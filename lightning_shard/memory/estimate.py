@@ -39,7 +39,7 @@ from lightning_shard.engine.activation_checkpointing import (
 )
 from lightning_shard.engine.optimizer_step import DEFAULT_STEP_GROUP_NUMEL
 from lightning_shard.engine.plan import UnitSpec, plan_units
-from lightning_shard.engine.shard_module import validate_sharding
+from lightning_shard.engine.groups import validate_shard_size, validate_sharding
 from lightning_shard.memory.tracker import LiveBytes
 
 MiB = 2**20
@@ -90,8 +90,10 @@ def estimate_memory(
     device: Union[str, torch.device] = "cpu",
     whole: bool = False,
     step_group_numel: int = DEFAULT_STEP_GROUP_NUMEL,
+    shard_size: Optional[int] = None,
 ) -> MemoryEstimate:
-    """Predict one rank's peak memory for training ``model`` sharded over ``world_size`` ranks.
+    """Predict one rank's peak memory for training ``model`` sharded over ``world_size`` ranks (under
+    ``sharding="hybrid"``, over groups of ``shard_size``: the replicas add no memory).
 
     ``model`` may live on any device, the meta device included; it is not modified. ``device`` is where
     training will run (its kernels decide the activations, e.g. which attention kernel). ``step(model, batch)``
@@ -102,11 +104,14 @@ def estimate_memory(
     ``step_group_numel``: the strategy's ``step_group_size``.
     """
     validate_sharding(sharding)
+    shard_size = validate_shard_size(shard_size, sharding)
+    if sharding == "hybrid" and shard_size is None:
+        raise ValueError("estimate_memory: sharding='hybrid' needs `shard_size` (ranks per shard group).")
     spec = validate_activation_checkpointing(activation_checkpointing)
     plans = plan_units(model, units=units, unit_size=unit_size, min_unit_size=min_unit_size)
     master = master_dtype or next((p.dtype for p in model.parameters()), torch.float32)
     param_dtype = param_dtype or master
-    ranks = world_size if sharding != "none" else 1
+    ranks = {"none": 1, "hybrid": shard_size}.get(sharding, world_size)
     sizes = []
     for plan in plans:
         if plan.numel():
@@ -147,7 +152,7 @@ def combine(sizes: list[UnitSize], master: torch.dtype, param_dtype: torch.dtype
     others = sorted((u.padded for u in sizes if not u.is_root), reverse=True)
     if aliases:
         gathered = 0
-    elif sharding == "full":
+    elif sharding in ("full", "hybrid"):
         gathered = sum(others[: 1 + prefetch]) * b_param
     else:  # grad_op keeps every unit gathered from its forward to its backward; none keeps them always
         gathered = sum(others) * b_param
