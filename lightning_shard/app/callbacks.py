@@ -64,8 +64,7 @@ class RunSummary(L.Callback):
                                       if strategy.root_device.type == "cuda" else None),
             "peak_gathered_mb_per_rank": runtime.schedule.peak_gathered_bytes / 2**20 if runtime is not None else None,
             "peak_rss_mb_per_rank": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "bytes_moved_mb_per_step": (comm.get("all_gather_bytes", 0) + comm.get("reduce_scatter_bytes", 0)
-                                        + comm.get("all_reduce_bytes", 0)) / 2**20 if comm else None,
+            "bytes_moved_mb_per_step": _moved_mb(comm) if comm else None,
             "final_train_loss": _metric(trainer, "train_loss"),
             "final_val_loss": _metric(trainer, "val_loss"),
         }
@@ -120,8 +119,7 @@ class PrintProgress(L.Callback):
         step = trainer.global_step
         if trainer.is_global_zero and (step == 1 or step % self.every == 0) and "train_loss" in trainer.callback_metrics:
             comm = getattr(trainer.strategy, "comm_stats", {})
-            moved = (comm.get("all_gather_bytes", 0) + comm.get("reduce_scatter_bytes", 0)
-                     + comm.get("all_reduce_bytes", 0)) / 2**20
+            moved = _moved_mb(comm)
             print(f"step {step:5d}  train_loss {float(trainer.callback_metrics['train_loss']):.4f}"
                   f"  moved {moved:.1f} MB/step", flush=True)
 
@@ -129,3 +127,8 @@ class PrintProgress(L.Callback):
         if trainer.is_global_zero and not trainer.sanity_checking:
             shown = {k: round(float(v), 4) for k, v in trainer.callback_metrics.items() if k.startswith("val_")}
             print(f"step {trainer.global_step:5d}  {shown}", flush=True)
+
+
+def _moved_mb(comm: dict[str, float]) -> float:
+    """MB moved by the last step's collectives: within shard groups and across replicas."""
+    return (comm.get("in_group_bytes", 0) + comm.get("cross_group_bytes", 0) + comm.get("all_reduce_bytes", 0)) / 2**20

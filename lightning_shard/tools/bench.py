@@ -6,7 +6,8 @@
 
 Strategies: each rank alone (a plain loop, no Lightning, no communication), Lightning with no strategy
 (``plain``: one device, world 1 only), Lightning's ``ddp``, torch FSDP2 (``fully_shard`` per block and on
-the model, through Lightning's ``ModelParallelStrategy``), and lightning_shard in each sharding mode. Each
+the model, through Lightning's ``ModelParallelStrategy``), and lightning_shard in each sharding mode (``shard_hybrid``: not by default; its shard groups are
+``--shard-size`` ranks, default half the world). Each
 *round* runs every strategy once (A B C ... A B C ...) so that a noisy machine affects all of them alike;
 medians are taken over all rounds' timed steps.
 
@@ -54,7 +55,7 @@ from lightning_shard.app.models.gpt import GPT
 from lightning_shard.app.models.lit_lm import LitLanguageModel
 from lightning_shard.tools import free_port
 
-EAGER_CONFIGS = ("alone", "plain", "ddp", "fsdp2", "shard_full", "shard_grad_op", "shard_none")
+EAGER_CONFIGS = ("alone", "plain", "ddp", "fsdp2", "shard_full", "shard_grad_op", "shard_hybrid", "shard_none")
 COMPILED = "_compiled"  # a config's twin with each block compiled (torch.compile per block, as torchtitan does)
 CONFIGS = EAGER_CONFIGS + tuple(name + COMPILED for name in EAGER_CONFIGS)
 PRECISIONS = ("32-true", "bf16-mixed")
@@ -180,7 +181,7 @@ def _model_state_mb(module: torch.nn.Module, optimizers: list) -> float:
     return model_state_bytes(module, optimizers) / 2**20
 
 
-def _strategy(name: str, world: int, compiled: bool = False):
+def _strategy(name: str, world: int, compiled: bool = False, shard_size: int | None = None):
     from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
     from lightning_shard import ShardStrategy
@@ -192,7 +193,8 @@ def _strategy(name: str, world: int, compiled: bool = False):
     if name == "fsdp2":
         # the default puts every rank on the tensor-parallel axis: all data-parallel here
         return ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
-    return ShardStrategy(sharding=name.removeprefix("shard_"), compile=compiled)
+    sharding = name.removeprefix("shard_")
+    return ShardStrategy(sharding=sharding, compile=compiled, shard_size=shard_size if sharding == "hybrid" else None)
 
 
 def _data(args, world: int) -> DataLoader:
@@ -261,7 +263,7 @@ def _run(name: str, args, world: int, precision: str, rank: int = 0, trace: str 
             if rank == 0:
                 callbacks.append(TraceSteps(trace, args.warmup, steps - args.warmup, cuda))
         trainer = L.Trainer(
-            accelerator=args.device, devices=1 if name == "plain" else world, strategy=_strategy(name, world, compiled),
+            accelerator=args.device, devices=1 if name == "plain" else world, strategy=_strategy(name, world, compiled, args.shard_size),
             precision=precision, max_steps=steps, logger=False, enable_checkpointing=False,
             enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
         )
@@ -287,7 +289,7 @@ def _estimate_with_activations(name: str, args, world: int, precision: str) -> f
     estimate = estimate_memory(
         module, world, sharding=name.removeprefix("shard_"), param_dtype=ShardPrecision(precision).policy.param_dtype,
         optimizer=torch.optim.AdamW, step=lambda m, b: m._loss(b), batch=next(iter(_data(args, world))),
-        device=args.device,
+        device=args.device, shard_size=args.shard_size if name == "shard_hybrid" else None,
     )
     return estimate.peak / 2**20
 
@@ -346,7 +348,7 @@ def _table(results: dict, args, params: int, precision: str, estimates: dict, op
         ("alone", "x alone"), ("fsdp2", "x FSDP2"), ("ddp", "x DDP"), ("plain", "x plain"),
         ("fsdp2" + COMPILED, "x FSDP2-c"), ("ddp" + COMPILED, "x DDP-c")) if name in medians]
     header = f"{'strategy':<23}{'median step s':>14}" + "".join(f"{label:>11}" for label, _ in anchors)
-    header += f"{'gathered MB':>13}{'reduced MB':>12}{'collectives':>12}{'exposed comm s':>16}{'state MB/rank':>15}"
+    header += f"{'gathered MB':>13}{'reduced MB':>12}{'cross-group MB':>16}{'collectives':>12}{'exposed comm s':>16}{'state MB/rank':>15}"
     if cuda:
         header += f"{'peak MB/rank':>14}{'est MB':>9}{'est+act MB':>12}"
     rows.append(header)
@@ -354,11 +356,12 @@ def _table(results: dict, args, params: int, precision: str, estimates: dict, op
     for name, runs in results.items():
         comm = runs[-1]["comm"]
         exposed = [e for r in runs for e in r["exposed"]]
-        reduced = comm.get("reduce_scatter_bytes", 0) + comm.get("all_reduce_bytes", 0)
+        reduced = comm.get("reduce_scatter_bytes", 0) + comm.get("all_reduce_bytes", 0) + comm.get("cross_group_bytes", 0)
         row = f"{name:<23}{medians[name]:>14.3f}" + "".join(f"{medians[name] / anchor:>11.2f}" for _, anchor in anchors)
         row += (
             f"{(comm['all_gather_bytes'] / 2**20 if comm else float('nan')):>13.1f}"
             f"{(reduced / 2**20 if comm else float('nan')):>12.1f}"
+            f"{(comm['cross_group_bytes'] / 2**20 if comm else float('nan')):>16.1f}"
             f"{(comm['collectives'] if comm else float('nan')):>12.0f}"
             f"{(statistics.median(exposed) if exposed and comm else float('nan')):>16.3f}"
             f"{runs[-1]['state_mb']:>15.1f}"
@@ -412,6 +415,8 @@ def main(argv=None) -> None:
                         help="also run each chosen config with its transformer blocks compiled (NAME_compiled)")
     parser.add_argument("--trace", metavar="PATH", default=None,
                         help="also write a Chrome trace of shard_full's steps on rank 0 to PATH (a .json file)")
+    parser.add_argument("--shard-size", type=at_least(1), default=None,
+                        help="shard_hybrid's shard_size (default: half the world: two replicas of a full shard group)")
     parser.add_argument("--rounds", type=at_least(1), default=3)
     for option in ("steps", "warmup", "depth", "width", "heads", "seq", "batch", "vocab"):
         low = 0 if option == "warmup" else 1
@@ -433,6 +438,10 @@ def main(argv=None) -> None:
     elif args.world is None:
         args.world = 2
     args.configs = list(dict.fromkeys(args.configs or default_configs(args.world)))
+    if any(c.startswith("shard_hybrid") for c in args.configs):
+        args.shard_size = args.shard_size or max(args.world // 2, 1)
+        if args.world % args.shard_size:
+            parser.error(f"--shard-size {args.shard_size} does not divide --world {args.world}")
     if args.compile:
         args.configs = list(dict.fromkeys(args.configs + [c + COMPILED for c in args.configs if not c.endswith(COMPILED)]))
     args.precision = list(dict.fromkeys(args.precision))
