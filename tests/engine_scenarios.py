@@ -47,7 +47,9 @@ def param_groups(model: nn.Module) -> list[dict]:
     return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def train(model, loss_fn, batches, rank, world, accumulate=1, clip=None, runtime=None):
+def train(model, loss_fn, batches, rank, world, accumulate=1, clip=None, runtime=None, defer=None, norms=None):
+    """``defer``: what the sharded model skips on non-final micro-batches (``"replicas"``: the all-reduce across
+    replicas, ``"all"``: every reduction; default: nothing). ``norms``: a list to append the clipped norms to."""
     opt = torch.optim.AdamW(param_groups(model), lr=1e-2)
     losses = []
     for step, batch in enumerate(batches):
@@ -56,16 +58,22 @@ def train(model, loss_fn, batches, rank, world, accumulate=1, clip=None, runtime
         total = 0.0
         for i, mb in enumerate(micro):
             sync = i == accumulate - 1
-            ctx = model.no_sync() if isinstance(model, DDP) and not sync else _null()
+            ctx = _null()
+            if isinstance(model, DDP) and not sync:
+                ctx = model.no_sync()
+            elif runtime is not None and defer is not None and not sync:
+                ctx = runtime.no_replica_sync() if defer == "replicas" else runtime.no_sync()
             with ctx:
                 loss = loss_fn(model, mb, step) / accumulate
                 loss.backward()
             total += loss.detach()
         if clip is not None:
             if runtime is None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             else:
-                runtime.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], clip)
+                norm = runtime.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], clip)
+            if norms is not None:
+                norms.append(norm.item())
         opt.step()
         opt.zero_grad(set_to_none=True)
         dist.all_reduce(total)

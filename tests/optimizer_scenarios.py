@@ -124,7 +124,7 @@ def parity_all(rank: int, world: int, names: list[str], group_numel: int) -> dic
 
 
 def parity(rank: int, world: int, name: str, modes=("full", "grad_op", "none"), steps: int = 20,
-           clip: Optional[float] = 0.5, group_numel: int = 2**25) -> dict:
+           clip: Optional[float] = 0.5, group_numel: int = 2**25, **policy) -> dict:
     if name == "muon":
         orthogonalise_in_fp32()
     g = torch.Generator().manual_seed(1234)
@@ -138,7 +138,7 @@ def parity(rank: int, world: int, name: str, modes=("full", "grad_op", "none"), 
         ref_opts = build_optimizers(reference, name)
         expected_losses = train(ddp, ref_opts, batches, rank, world, clip)
 
-        runtime = shard_module(sharded, sharding=mode)
+        runtime = shard_module(sharded, sharding=mode, **policy)
         with runtime.shaped_parameters():
             opts = build_optimizers(sharded, name)
         for opt in opts:
