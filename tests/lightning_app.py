@@ -108,7 +108,7 @@ def run(strategy, args, max_epochs: int, ckpt_dir: str, resume: str | None = Non
     torch.manual_seed(0)
     module = LitGPT(manual=args.manual, clip=args.clip, optimizer=args.optimizer)
     trainer = L.Trainer(
-        accelerator="cpu", devices=args.devices, strategy=strategy, max_epochs=max_epochs,
+        accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes, strategy=strategy, max_epochs=max_epochs,
         accumulate_grad_batches=1 if args.manual else args.accumulate,
         gradient_clip_val=None if args.manual else args.clip, gradient_clip_algorithm=args.clip_algorithm,
         logger=L.pytorch.loggers.CSVLogger(ckpt_dir, name="logs"), enable_progress_bar=False,
@@ -130,6 +130,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--num-nodes", type=int, default=1, help="launched once per node, with NODE_RANK set")
     parser.add_argument("--sharding", nargs="+", default=["full", "grad_op", "none"])
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--clip", type=float, default=None)
@@ -157,7 +158,7 @@ def main() -> None:
             resumed = run(ShardStrategy(sharding=sharding, state_dict_type=args.state_dict_type), args, args.epochs, ckpt_dir + "_resume",
                           resume=os.path.join(ckpt_dir + "_resume", "last.ckpt"))
             results[f"{sharding}_resumed"] = {**resumed, "losses": first["losses"] + resumed["losses"]}
-    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0 and int(os.environ.get("NODE_RANK", 0)) == 0:
         torch.save(results, os.path.join(args.out, "results.pt"))
 
 
