@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from lightning_shard.app.models.gpt import GPT
 from lightning_shard.checkpoint.full import full_state_dict
 from lightning_shard.engine.shard_module import shard_module
 from tests import checkpoint_scenarios, models, optimizer_scenarios
@@ -29,6 +30,7 @@ def hybrid_world(rank: int, world: int, shard_size: int, path: str) -> dict:
         "adafactor": optimizer_scenarios.parity(rank, world, "adafactor", modes=("hybrid",), steps=6,
                                                 shard_size=shard_size)["hybrid"],
         "checkpoint": checkpoint_scenarios.save_then_continue(rank, world, "gpt", policy, path),
+        "options": options_as_under_full(rank, world, shard_size),
     }
 
 
@@ -131,3 +133,32 @@ def load_under_full_and_hybrid(rank: int, world: int, path: str) -> dict:
 
 def parity_only(rank: int, world: int, shard_size: int) -> dict:
     return parity(rank, world, {"sharding": "hybrid", "shard_size": shard_size})
+
+
+def options_as_under_full(rank: int, world: int, shard_size: int, steps: int = 4) -> dict:
+    """Under full, hybrid and none sharding: a model built on the meta device with bf16 gathers, fp32 reductions,
+    prefetch 2 and activation checkpointing; and one whose embedding unit is fed token ids, with backward elision.
+    Per setting and sharding: the initial and final values, the losses, the backward gathers skipped."""
+    settings = {
+        # the app's GPT: its reset_parameters() initialises it from the meta device
+        "meta_bf16_checkpointed": (lambda: GPT(37, 16, 2, 2, 9), models.TinyGPT, True,
+                                   {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32, "prefetch": 2,
+                                    "activation_checkpointing": True}),
+        "elided": (models.UntiedLM, models.UntiedLM, False,
+                   {"units": ["Embedding", "Block"], "elide_backward_gathers": True}),
+    }
+    report = {}
+    for name, (build, data, on_meta, options) in settings.items():
+        g = torch.Generator().manual_seed(5)
+        batches = [data.batch(g, 12) for _ in range(steps)]
+        for sharding, extra in (("full", {}), ("hybrid", {"shard_size": shard_size}), ("none", {})):
+            torch.manual_seed(0)
+            with torch.device("meta") if on_meta else nullcontext():
+                model = build()
+            runtime = shard_module(model, sharding=sharding, device=torch.device("cpu"), **extra, **options)
+            initial = full_state_dict(runtime, rank0_only=False)
+            runtime.stats.skipped_gathers = 0
+            losses = train(model, data.loss, batches, rank, world, runtime=runtime)
+            report[name, sharding] = {"initial": initial, "losses": losses, "skipped": runtime.stats.skipped_gathers,
+                                      "final": full_state_dict(runtime, rank0_only=False)}
+    return report

@@ -83,6 +83,21 @@ def test_matrix_optimizer_owners_within_the_shard_group(hybrid_2x2):
     assert held[0] + held[1] == ddp and held[2:] == held[:2]  # each replica holds the state once
 
 
+def test_meta_init_precision_prefetch_checkpointing_elision_as_under_full(hybrid_2x2):
+    report = hybrid_2x2[0][0]["options"]
+    for setting in ("meta_bf16_checkpointed", "elided"):
+        full = report[setting, "full"]
+        for sharding in ("hybrid", "none"):
+            run = report[setting, sharding]
+            assert all(torch.equal(full["initial"][k], run["initial"][k]) for k in full["initial"]), (setting, sharding)
+            torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(full["losses"]), rtol=1e-5, atol=1e-6)
+            for key, value in full["final"].items():
+                torch.testing.assert_close(run["final"][key], value, rtol=1e-5, atol=1e-6,
+                                           msg=lambda m, k=key: f"[{setting}/{sharding}] {k}: {m}")
+    # the embedding unit fed token ids is not gathered again in backward, under hybrid as under full
+    assert report["elided", "hybrid"]["skipped"] == report["elided", "full"]["skipped"] > 0
+
+
 def test_checkpoint_saved_on_2x2_loads_on_2_ranks_full_and_hybrid(hybrid_2x2):
     reports, path = hybrid_2x2
     saved = reports[0]["checkpoint"]
