@@ -37,12 +37,15 @@ def test_help(tmp_path, command):
 TRAIN = "lightning_shard.train"
 BAD_INPUT = [  # (command, args, what its one line says); all fail before any rank starts
     (TRAIN, ["strategy=zero9"], "Could not find 'strategy/zero9'"),
-    (TRAIN, ["strategy.sharding=zero9"], "`sharding` must be one of 'full', 'grad_op', 'none'; got 'zero9'"),
+    (TRAIN, ["strategy.sharding=zero9"], "`sharding` must be one of 'full', 'grad_op', 'hybrid', 'none'; got 'zero9'"),
     (TRAIN, ["strategy.unit_size=-5"], "`unit_size` must be a positive int"),
     (TRAIN, ["strategy.compile=maybe"], "`compile` must be True, False, or a dict of torch.compile's keyword"),
     (TRAIN, ["strategy.min_unit_size=0"], "`min_unit_size` must be a positive int"),
     (TRAIN, ["precision=fp8"], "`precision` must be one of 32-true, bf16-mixed, 16-mixed, bf16-true; got 'fp8'"),
-    ("lightning_shard.estimate", ["strategy.sharding=zero9"], "`sharding` must be one of 'full', 'grad_op', 'none'"),
+    (TRAIN, ["strategy=hybrid", "strategy.shard_size=3", "trainer.devices=4"],
+     "strategy.shard_size=3 must divide the world size 4 (trainer.devices=4 x trainer.num_nodes=1)"),
+    (TRAIN, ["+strategy.shard_size=2"], "`shard_size` is the size of hybrid sharding's groups"),
+    ("lightning_shard.estimate", ["strategy.sharding=zero9"], "`sharding` must be one of 'full', 'grad_op', 'hybrid', 'none'"),
     ("lightning_shard.consolidate", ["no_such.ckpt"], "does not exist"),
     ("lightning_shard.consolidate", [], "the following arguments are required: checkpoint_dir (see --help)"),
     # never over a directory, nor into the checkpoint being read (files.commit would replace what is there)
@@ -53,6 +56,8 @@ BAD_INPUT = [  # (command, args, what its one line says); all fail before any ra
      "--world 99 on cuda needs 99 GPUs" if torch.cuda.is_available() else "--device cuda: no CUDA device here"),
     ("lightning_shard.bench", ["--world", "2", "--configs", "plain"], "plain (Lightning with no strategy) runs on one"),
     ("lightning_shard.bench", ["--world", "2", "--configs", "plain_compiled"], "plain (Lightning with no strategy)"),
+    ("lightning_shard.bench", ["--world", "4", "--configs", "shard_hybrid", "--shard-size", "3"],
+     "--shard-size 3 does not divide --world 4"),
     ("lightning_shard.tools.bench_overhead", ["--blocks", "0"], "argument --blocks: must be an integer >= 1"),
     ("lightning_shard.app.sweep", ["no_such_dir"], "no job of 'no_such_dir' wrote a summary.json"),
 ]

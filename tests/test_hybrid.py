@@ -120,3 +120,15 @@ def test_checkpoint_saved_on_2x2_loads_on_2_ranks_full_and_hybrid(hybrid_2x2):
 def test_bad_options_fail_at_construction(options, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         ShardStrategy(**options)
+
+
+def test_the_estimate_is_full_sharding_over_one_group():
+    from lightning_shard.memory.estimate import estimate_memory
+    from tests.models import TinyGPT
+
+    model = TinyGPT(d=16, n_blocks=4)
+    hybrid = estimate_memory(model, 8, sharding="hybrid", shard_size=2, optimizer=torch.optim.AdamW)
+    assert hybrid == estimate_memory(model, 2, sharding="full", optimizer=torch.optim.AdamW)
+    assert hybrid.params < estimate_memory(model, 1, sharding="full", optimizer=torch.optim.AdamW).params
+    with pytest.raises(ValueError, match="needs `shard_size`"):
+        estimate_memory(model, 8, sharding="hybrid")

@@ -45,3 +45,12 @@ def test_hydra_logs_through_lightning_not_its_own_job_logging():
     cfg = composed(hydra=True)
     assert cfg.hydra.runtime.choices["hydra/job_logging"] == "none"
     assert cfg.hydra.job_logging.root is None
+
+
+def test_strategy_hybrid_is_full_with_shard_groups():
+    from hydra.utils import instantiate
+
+    hybrid, full = composed("strategy=hybrid", "strategy.shard_size=2").strategy, composed().strategy
+    assert {**full, "sharding": "hybrid", "shard_size": 2} == dict(hybrid)
+    strategy = instantiate(hybrid)
+    assert (strategy.sharding, strategy.shard_size) == ("hybrid", 2)

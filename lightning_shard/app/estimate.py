@@ -29,7 +29,10 @@ def estimate_config(cfg: Any) -> tuple[MemoryEstimate, int]:
     strategy = instantiate(cfg.strategy)
     precision = str(cfg.precision)
     policy = strategy.mixed_precision or ShardPrecision(precision).policy
-    world = int(cfg.trainer.devices) * int(cfg.trainer.get("num_nodes", 1))
+    devices = int(cfg.trainer.devices)
+    if devices < 0:  # -1: every GPU of the node
+        devices = max(torch.cuda.device_count(), 1)
+    world = devices * int(cfg.trainer.get("num_nodes", 1))
     optimizer = getattr(torch.optim, str(cfg.get("optimizer", "AdamW")))
     estimate = estimate_memory(
         module, world, sharding=strategy.sharding, units=strategy.units, unit_size=strategy.unit_size,
@@ -40,7 +43,7 @@ def estimate_config(cfg: Any) -> tuple[MemoryEstimate, int]:
         device="cuda" if cfg.trainer.accelerator in ("gpu", "cuda") else "cpu",
         whole=optimizer in WHOLE_PARAMETER_OPTIMIZERS or optimizer in tuple(strategy.matrix_optimizers),
         step_group_numel=strategy.step_group_size,
-        shard_size=(strategy.shard_size or int(cfg.trainer.devices)) if strategy.sharding == "hybrid" else None,
+        shard_size=(strategy.shard_size or devices) if strategy.sharding == "hybrid" else None,
     )
     return estimate, world
 

@@ -87,7 +87,11 @@ def check_options(cfg: DictConfig, prog: str) -> None:
     """Bad strategy or precision values fail here, in one line with the option's own message, before any rank
     starts (or anything is estimated)."""
     with cli.bad_input(prog, InstantiationException):
-        instantiate(cfg.strategy)
+        strategy = instantiate(cfg.strategy)
+    devices, nodes = _local_world_size(cfg.trainer), int(cfg.trainer.get("num_nodes", 1))
+    if strategy.sharding == "hybrid" and strategy.shard_size and (devices * nodes) % strategy.shard_size:
+        cli.fail(prog, f"strategy.shard_size={strategy.shard_size} must divide the world size {devices * nodes}"
+                       f" (trainer.devices={devices} x trainer.num_nodes={nodes}).")
     if cfg.precision not in SUPPORTED_PRECISION:
         cli.fail(prog, f"`precision` must be one of {', '.join(SUPPORTED_PRECISION)}; got {cfg.precision!r}.")
 

@@ -105,8 +105,9 @@ def estimate_memory(
     """
     validate_sharding(sharding)
     shard_size = validate_shard_size(shard_size, sharding)
-    if sharding == "hybrid" and shard_size is None:
-        raise ValueError("estimate_memory: sharding='hybrid' needs `shard_size` (ranks per shard group).")
+    if sharding == "hybrid" and (shard_size is None or world_size % shard_size):
+        raise ValueError(f"estimate_memory: sharding='hybrid' needs `shard_size` (ranks per shard group) dividing the"
+                         f" world size {world_size}, got {shard_size}.")
     spec = validate_activation_checkpointing(activation_checkpointing)
     plans = plan_units(model, units=units, unit_size=unit_size, min_unit_size=min_unit_size)
     master = master_dtype or next((p.dtype for p in model.parameters()), torch.float32)
