@@ -31,6 +31,7 @@ def hybrid_world(rank: int, world: int, shard_size: int, path: str) -> dict:
                                                 shard_size=shard_size)["hybrid"],
         "checkpoint": checkpoint_scenarios.save_then_continue(rank, world, "gpt", policy, path),
         "options": options_as_under_full(rank, world, shard_size),
+        "habits": accumulation_habits(rank, world, policy),
     }
 
 
@@ -162,3 +163,36 @@ def options_as_under_full(rank: int, world: int, shard_size: int, steps: int = 4
             report[name, sharding] = {"initial": initial, "losses": losses, "skipped": runtime.stats.skipped_gathers,
                                       "final": full_state_dict(runtime, rank0_only=False)}
     return report
+
+
+def accumulation_habits(rank: int, world: int, policy: dict) -> dict:
+    """Deferred all-reduce across replicas, against DDP's ``no_sync``: a ``zero_grad`` between micro-batches
+    discards the earlier ones as under DDP, a gradient kept from the previous step (no ``zero_grad``) counts once;
+    a parameter frozen in the middle of the window is an error on every rank."""
+    g = torch.Generator().manual_seed(3)
+    batches = [models.TinyGPT.batch(g, 4 * world) for _ in range(6)]
+    torch.manual_seed(0)
+    reference = models.TinyGPT()
+    model = copy.deepcopy(reference)
+    ddp = DDP(reference)
+    runtime = shard_module(model, **policy)
+    for net, skip in ((ddp, ddp.no_sync), (model, runtime.no_replica_sync)):
+        opt = torch.optim.SGD(net.parameters(), lr=0.5)
+        for step, window in enumerate((batches[:3], batches[3:])):
+            for i, batch in enumerate(window):
+                with skip() if i < 2 else nullcontext():
+                    models.TinyGPT.loss(net, batch.chunk(world)[rank], 0).backward()
+                if step == 0 and i == 0:
+                    opt.zero_grad()  # the first micro-batch's gradients are dropped
+            opt.step()  # the second window starts without zero_grad: the first's gradients count again
+    full = full_state_dict(runtime, rank0_only=False)
+    error = max((full[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+    with runtime.no_replica_sync():
+        models.TinyGPT.loss(model, batches[0].chunk(world)[rank], 0).backward()
+    model.blocks[0].requires_grad_(False)
+    try:
+        models.TinyGPT.loss(model, batches[1].chunk(world)[rank], 0).backward()
+        frozen = None
+    except RuntimeError as err:
+        frozen = str(err)
+    return {"max_param_error": error, "frozen_error": frozen}

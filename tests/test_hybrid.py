@@ -48,6 +48,13 @@ def test_2_replicas_of_3_ranks_match_ddp():
             assert report[defer]["max_param_error"] < 1e-5, (defer, report[defer]["max_param_error"])
 
 
+def test_zero_grad_and_freezing_inside_an_accumulation_window(hybrid_2x2):
+    for report in hybrid_2x2[0]:
+        habits = report["habits"]
+        assert habits["max_param_error"] < 1e-6, habits  # zero_grad inside, no zero_grad between: as DDP
+        assert "frozen during gradient accumulation" in habits["frozen_error"], habits
+
+
 def test_bytes_per_step_agree_with_the_formula(hybrid_2x2):
     report = hybrid_2x2[0][0]["bytes"]
     stats, padded, shard = report["stats"], report["padded"], report["shard"]

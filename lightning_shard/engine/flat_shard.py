@@ -197,6 +197,33 @@ class FlatShard:
             param.grad = None
         self._shard_grad, self._shard_grad_views = None, {}
 
+    def scale_grads(self, factor: float) -> None:
+        for i in self.trainable:
+            grad = self.shard_params[i].grad
+            if grad is not None:
+                grad.mul_(factor)
+
+    def take_shard_grads(self, slots: set[int]) -> Optional[tuple[Tensor, list[int]]]:
+        """The ``.grad`` of ``slots`` as one flat shard (zeros elsewhere) and the slots that had one, taken off the
+        shard parameters; ``None`` if none had one. ``slots`` hold sums not yet all-reduced across replicas: one
+        frozen since is an error (its replicas would keep different gradients)."""
+        frozen = [self.slots[i].names[0] for i in sorted(slots)
+                  if not self.requires_grad[i] and self.shard_params[i].grad is not None]
+        if frozen:
+            raise RuntimeError(
+                f"lightning_shard: {frozen} hold gradients of earlier micro-batches not yet all-reduced across"
+                " replicas, and were frozen during gradient accumulation. Freeze or unfreeze parameters between"
+                " optimizer steps (or use reduce_during_accumulation=False).")
+        held = [i for i in sorted(slots) if self.shard_params[i].grad is not None]
+        if not held:
+            return None
+        flat = self.shard.new_zeros(self.shard_numel, dtype=self.shard_params[held[0]].grad.dtype)
+        for i in held:
+            lo, hi = self.shard_ranges[i]
+            flat[lo:hi] = self.shard_params[i].grad
+            self.shard_params[i].grad = None
+        return flat, held
+
     def accumulate_shard_grad(self, reduced: Tensor, used: list[int]) -> None:
         """Add this rank's reduced gradient shard to the shard parameters' ``.grad``.
 

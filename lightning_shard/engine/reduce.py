@@ -7,8 +7,10 @@ is flattened only once it has completed, so a rank holds at most one unit's grad
 
 Hybrid sharding (and ``none``) adds a second stage: once a unit's reduce-scatter within its shard group has
 completed, its gradient shard is all-reduced across the replicas (async, shard-sized), overlapping later units'
-backward too. While accumulating (:meth:`GradientReducer.no_replica_sync`) the shards are summed locally and
-all-reduced once, by the backward of the last micro-batch.
+backward too. While accumulating (:meth:`GradientReducer.no_replica_sync`) the shards are summed into the shard
+parameters' ``.grad``, not yet all-reduced (as DDP's ``no_sync`` leaves local gradients in ``.grad``, so that a
+``zero_grad`` in between discards them as it would under DDP); the first backward outside takes them back out,
+adds them to its own shard and all-reduces the sum.
 
 Which collectives run and which gradients count is never one rank's local view: every unit with trainable
 parameters is reduced once per backward on every rank (a unit that got no gradient here contributes
@@ -45,7 +47,7 @@ class _Reduction:
     pending: Pending  # the collective in flight (reduce-scatter, then the all-reduce across replicas)
     used: list[int]  # slots that got a gradient on this rank (then: on any rank, and in any backward carried here)
     serial: int  # numbers its buffers for the stream checker (a unit may reduce twice)
-    deferred: bool = False  # summed locally, all-reduced across replicas by a later backward (no_replica_sync)
+    deferred: bool = False  # summed into .grad, all-reduced across replicas by a later backward (no_replica_sync)
 
 
 class GradientReducer:
@@ -64,9 +66,8 @@ class GradientReducer:
         self._pending: list[_Reduction] = []  # reduce-scatters in flight
         self._replicating: list[_Reduction] = []  # all-reduces across replicas in flight
         self._reduced: list[_Reduction] = []  # waiting for the ranks' agreed used-mask
-        # id(unit) -> its gradient shard summed over the backwards not yet all-reduced across replicas, and the
-        # slots used in them (agreed)
-        self._unsynced: dict[int, tuple[Tensor, set[int]]] = {}
+        # id(unit) -> the slots whose shard parameter's .grad holds sums not yet all-reduced across replicas
+        self._unsynced: dict[int, set[int]] = {}
         self._reductions = 0
         self._done: set[int] = set()  # ids of units reduced in this backward
         self._trainable_check: Optional[Pending] = None  # the ranks' comparison of what they train, in flight
@@ -152,6 +153,13 @@ class GradientReducer:
             self.reduce(unit, sweep=True)
         self._complete_all()
         self._done.clear()
+        if self.sync_replicas and self._unsynced:  # every unit with trainable parameters was reduced: none left
+            left = [unit.name for unit in self.units if id(unit) in self._unsynced]
+            self._unsynced.clear()
+            raise RuntimeError(
+                f"lightning_shard: units {left} hold gradients of earlier micro-batches not yet all-reduced across"
+                " replicas, and their parameters were frozen during gradient accumulation. Freeze or unfreeze"
+                " parameters between optimizer steps (or use reduce_during_accumulation=False).")
         reduced, self._reduced = self._reduced, []
         if not reduced:
             return
@@ -189,9 +197,13 @@ class GradientReducer:
             used = [i for i, flag in enumerate(flags) if flag]
             self.streams.reads(("reduced", r.serial))
             if r.deferred:
-                self._unsynced[id(r.unit)] = (r.pending.result, set(used))
-            else:
-                r.unit.storage.accumulate_shard_grad(r.pending.result, used)
+                if id(r.unit) not in self._unsynced:
+                    # a gradient from before (no zero_grad since the last step) is the replicas' average already:
+                    # the all-reduce that sums the replicas' .grad counts it once per replica (DDP divides it alike)
+                    r.unit.storage.scale_grads(1 / self.groups.replicas)
+                    self._unsynced[id(r.unit)] = set(r.unit.storage.trainable)
+                self._unsynced[id(r.unit)].update(used)
+            r.unit.storage.accumulate_shard_grad(r.pending.result, used)
 
     def abandon(self) -> None:
         """A backward that raised on every rank at the same point: wait for what is in flight (the collectives
@@ -212,10 +224,11 @@ class GradientReducer:
         r = self._pending.pop(0)
         with self.streams.on("reduce"):
             shard_grad = r.pending.wait()
-            carried = self._unsynced.pop(id(r.unit), None)
-            if carried is not None:
-                shard_grad.add_(carried[0])
-                r.used = sorted(set(r.used) | carried[1])
+            if self.sync_replicas and id(r.unit) in self._unsynced:  # what earlier micro-batches left in .grad
+                carried = r.unit.storage.take_shard_grads(self._unsynced.pop(id(r.unit)))
+                if carried is not None:
+                    shard_grad.add_(carried[0].to(shard_grad.dtype))
+                    r.used = sorted(set(r.used) | set(carried[1]))
             if self.groups.replicas > 1 and self.sync_replicas:
                 r.pending = collectives.all_reduce(shard_grad, self.groups.replicate, self.stats, async_op=True,
                                                    label=f"all-reduce across replicas of unit {r.unit.name!r}'s"
