@@ -68,7 +68,7 @@ class GradientReducer:
         self._reduced: list[_Reduction] = []  # waiting for the ranks' agreed used-mask
         # id(unit) -> the slots whose shard parameter's .grad holds sums not yet all-reduced across replicas
         self._unsynced: dict[int, set[int]] = {}
-        self._reductions = 0
+        self._reductions = 0  # numbers each reduction's buffers for the stream checker (a unit may reduce twice)
         self._done: set[int] = set()  # ids of units reduced in this backward
         self._trainable_check: Optional[Pending] = None  # the ranks' comparison of what they train, in flight
 
@@ -219,24 +219,30 @@ class GradientReducer:
         self._done.clear()
 
     def _complete_oldest(self) -> None:
-        """The oldest reduce-scatter has completed: add what earlier backwards left unsynced, then all-reduce
-        across the replicas (or defer that, or hand it over when there are none)."""
+        """The oldest reduce-scatter has completed: add what earlier micro-batches left in ``.grad`` unsynced, then
+        all-reduce across the replicas (or leave that to a later backward, or hand over when there are none)."""
         r = self._pending.pop(0)
+        replicating = self.groups.replicas > 1 and self.sync_replicas
+        carried = None
         with self.streams.on("reduce"):
             shard_grad = r.pending.wait()
-            if self.sync_replicas and id(r.unit) in self._unsynced:  # what earlier micro-batches left in .grad
+            if self.sync_replicas and id(r.unit) in self._unsynced:
                 carried = r.unit.storage.take_shard_grads(self._unsynced.pop(id(r.unit)))
                 if carried is not None:
                     shard_grad.add_(carried[0].to(shard_grad.dtype))
                     r.used = sorted(set(r.used) | set(carried[1]))
-            if self.groups.replicas > 1 and self.sync_replicas:
+            if replicating:
                 r.pending = collectives.all_reduce(shard_grad, self.groups.replicate, self.stats, async_op=True,
                                                    label=f"all-reduce across replicas of unit {r.unit.name!r}'s"
                                                    " gradients", across_replicas=True)
-                self._replicating.append(r)
-                return
-            r.deferred = self.groups.replicas > 1
-            self.streams.writes(("reduced", r.serial))
+            else:
+                r.deferred = self.groups.replicas > 1
+                self.streams.writes(("reduced", r.serial))
+        if replicating:
+            self._replicating.append(r)
+            if carried is not None:  # the gradients taken (compute's memory) are freed once compute waited for the read
+                self.streams.handover("reduce", "compute")
+            return
         self.streams.handover("reduce", "compute")
         self._reduced.append(r)
 
