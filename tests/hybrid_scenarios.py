@@ -32,6 +32,7 @@ def hybrid_world(rank: int, world: int, shard_size: int, path: str) -> dict:
         "checkpoint": checkpoint_scenarios.save_then_continue(rank, world, "gpt", policy, path),
         "options": options_as_under_full(rank, world, shard_size),
         "habits": accumulation_habits(rank, world, policy),
+        "own_mesh": own_mesh(rank, world, shard_size),
     }
 
 
@@ -196,3 +197,21 @@ def accumulation_habits(rank: int, world: int, policy: dict) -> dict:
     except RuntimeError as err:
         frozen = str(err)
     return {"max_param_error": error, "frozen_error": frozen}
+
+
+def own_mesh(rank: int, world: int, shard_size: int) -> dict:
+    """``shard_module(mesh=)`` with the user's own 2-D DeviceMesh trains as ``shard_size=`` does, bit for bit."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    g = torch.Generator().manual_seed(9)
+    batches = [models.TinyGPT.batch(g, 12) for _ in range(3)]
+    mesh = init_device_mesh("cpu", (world // shard_size, shard_size), mesh_dim_names=("dp_replicate", "dp_shard"))
+    states = {}
+    for name, policy in (("mesh", {"mesh": mesh}), ("shard_size", {"shard_size": shard_size})):
+        torch.manual_seed(0)
+        model = models.TinyGPT()
+        runtime = shard_module(model, sharding="hybrid", **policy)
+        train(model, models.TinyGPT.loss, batches, rank, world, runtime=runtime)
+        states[name] = full_state_dict(runtime, rank0_only=False)
+    return {"equal": all(torch.equal(states["mesh"][k], v) for k, v in states["shard_size"].items()),
+            "groups": (runtime.groups.shard_size, runtime.groups.replicas)}

@@ -55,6 +55,10 @@ def test_zero_grad_and_freezing_inside_an_accumulation_window(hybrid_2x2):
         assert "frozen during gradient accumulation" in habits["frozen_error"], habits
 
 
+def test_a_mesh_of_ones_own_trains_as_shard_size(hybrid_2x2):
+    assert all(r["own_mesh"] == {"equal": True, "groups": (2, 2)} for r in hybrid_2x2[0])
+
+
 def test_bytes_per_step_agree_with_the_formula(hybrid_2x2):
     report = hybrid_2x2[0][0]["bytes"]
     stats, padded, shard = report["stats"], report["padded"], report["shard"]
