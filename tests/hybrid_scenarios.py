@@ -168,8 +168,9 @@ def options_as_under_full(rank: int, world: int, shard_size: int, steps: int = 4
 
 def accumulation_habits(rank: int, world: int, policy: dict) -> dict:
     """Deferred all-reduce across replicas, against DDP's ``no_sync``: a ``zero_grad`` between micro-batches
-    discards the earlier ones as under DDP, a gradient kept from the previous step (no ``zero_grad``) counts once;
-    a parameter frozen in the middle of the window is an error on every rank."""
+    discards the earlier ones as under DDP, a gradient kept from the previous step (no ``zero_grad``) counts once,
+    a last micro-batch whose backward fails and is run again keeps the earlier ones; a parameter frozen in the
+    middle of the window is an error on every rank."""
     g = torch.Generator().manual_seed(3)
     batches = [models.TinyGPT.batch(g, 4 * world) for _ in range(6)]
     torch.manual_seed(0)
@@ -177,10 +178,21 @@ def accumulation_habits(rank: int, world: int, policy: dict) -> dict:
     model = copy.deepcopy(reference)
     ddp = DDP(reference)
     runtime = shard_module(model, **policy)
+    failed = []
+    model.blocks[0].register_forward_hook(lambda m, a, out: _RaiseInBackward.apply(out))
     for net, skip in ((ddp, ddp.no_sync), (model, runtime.no_replica_sync)):
         opt = torch.optim.SGD(net.parameters(), lr=0.5)
         for step, window in enumerate((batches[:3], batches[3:])):
             for i, batch in enumerate(window):
+                # the sharded model's last micro-batch of the second window fails once in backward on every rank,
+                # after the later blocks took back their sums, and runs again: those sums must survive
+                _RaiseInBackward.armed = net is model and step == 1 and i == 2
+                if _RaiseInBackward.armed:
+                    try:
+                        models.TinyGPT.loss(net, batch.chunk(world)[rank], 0).backward()
+                    except RuntimeError as err:
+                        failed.append(str(err))
+                    _RaiseInBackward.armed = False
                 with skip() if i < 2 else nullcontext():
                     models.TinyGPT.loss(net, batch.chunk(world)[rank], 0).backward()
                 if step == 0 and i == 0:
@@ -196,7 +208,21 @@ def accumulation_habits(rank: int, world: int, policy: dict) -> dict:
         frozen = None
     except RuntimeError as err:
         frozen = str(err)
-    return {"max_param_error": error, "frozen_error": frozen}
+    return {"max_param_error": error, "frozen_error": frozen, "failed": failed}
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    armed = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if _RaiseInBackward.armed:
+            raise RuntimeError("a failing backward")
+        return grad
 
 
 def own_mesh(rank: int, world: int, shard_size: int) -> dict:

@@ -425,13 +425,15 @@ class ShardRuntime(ModuleGuards):
 
     def _finish_backward(self) -> None:
         self._final_callback_queued = False
-        self.reducer.finish()
-        if self.nonfinite is not None:
-            self._apply_nonfinite_policy()
-        for unit in self.units:
-            unit.backward_pending, unit.unseen_backward = 0, False
-            if unit is not self.root_unit or self._depth == 0:
-                self.schedule.reshard(unit)
+        try:
+            self.reducer.finish()
+            if self.nonfinite is not None:
+                self._apply_nonfinite_policy()
+        finally:  # after an error too: the tree holds the shard parameters again (what an optimizer must be given)
+            for unit in self.units:
+                unit.backward_pending, unit.unseen_backward = 0, False
+                if unit is not self.root_unit or self._depth == 0:
+                    self.schedule.reshard(unit)
 
     def _recover_from_failed_backward(self) -> None:
         """A backward raised (e.g. a caught out-of-memory) before its final callback ran: drop its partial

@@ -48,6 +48,9 @@ class _Reduction:
     used: list[int]  # slots that got a gradient on this rank (then: on any rank, and in any backward carried here)
     serial: int  # numbers its buffers for the stream checker (a unit may reduce twice)
     deferred: bool = False  # summed into .grad, all-reduced across replicas by a later backward (no_replica_sync)
+    # the sums of earlier micro-batches taken out of .grad to go with it (flat, slots held, slots unsynced): put back
+    # if this backward fails
+    carried: Optional[tuple[Tensor, list[int], set[int]]] = None
 
 
 class GradientReducer:
@@ -156,6 +159,7 @@ class GradientReducer:
         if self.sync_replicas and self._unsynced:  # every unit with trainable parameters was reduced: none left
             left = [unit.name for unit in self.units if id(unit) in self._unsynced]
             self._unsynced.clear()
+            self._reduced.clear()  # this step's gradients are dropped with it, not left for the next one
             raise RuntimeError(
                 f"lightning_shard: units {left} hold gradients of earlier micro-batches not yet all-reduced across"
                 " replicas, and their parameters were frozen during gradient accumulation. Freeze or unfreeze"
@@ -213,6 +217,11 @@ class GradientReducer:
             with self.streams.on("reduce"):
                 r.pending.wait()
             self.streams.handover("reduce", "compute")
+        for r in self._pending + self._replicating + self._reduced:  # earlier micro-batches' sums go back to .grad
+            if r.carried is not None:
+                flat, held, unsynced = r.carried
+                r.unit.storage.accumulate_shard_grad(flat, held)
+                self._unsynced[id(r.unit)] = unsynced
         self._pending.clear()
         self._replicating.clear()
         self._reduced.clear()
@@ -227,10 +236,12 @@ class GradientReducer:
         with self.streams.on("reduce"):
             shard_grad = r.pending.wait()
             if self.sync_replicas and id(r.unit) in self._unsynced:
-                carried = r.unit.storage.take_shard_grads(self._unsynced.pop(id(r.unit)))
+                unsynced = self._unsynced.pop(id(r.unit))
+                carried = r.unit.storage.take_shard_grads(unsynced)
                 if carried is not None:
                     shard_grad.add_(carried[0].to(shard_grad.dtype))
                     r.used = sorted(set(r.used) | set(carried[1]))
+                    r.carried = (*carried, unsynced)
             if replicating:
                 r.pending = collectives.all_reduce(shard_grad, self.groups.replicate, self.stats, async_op=True,
                                                    label=f"all-reduce across replicas of unit {r.unit.name!r}'s"

@@ -77,7 +77,7 @@ def shard_module(
     }
     existing = getattr(module, "_shard_runtime", None)
     if existing is not None:
-        _check_resharding(existing, options, group, device)
+        _check_resharding(existing, options, group, device, mesh)
         return existing
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank(group) if distributed else 0
@@ -88,6 +88,7 @@ def shard_module(
         _check_ranks_agree(plans, group)
     materializer = Materializer(module, device or _first_real_device(module))
     groups = build_groups(sharding, group, shard_size, materializer.device, mesh)
+    options["shard_size"] = groups.shard_size if sharding == "hybrid" else None  # the default taken, or the mesh's
     # under grad_op every unit stays gathered from its forward to its backward: the root is no worse than the rest
     root_heavy = root_heavy_warning(module, plans) if sharding in ("full", "hybrid") and world > 1 and rank == 0 else None
     if root_heavy:
@@ -147,7 +148,7 @@ _DTYPE_SOURCES = " (ShardStrategy's mixed_precision, or the Trainer's precision)
 
 
 def _check_resharding(runtime: ShardRuntime, options: dict, group: Optional[dist.ProcessGroup],
-                      device: Optional[torch.device]) -> None:
+                      device: Optional[torch.device], mesh: Optional[DeviceMesh]) -> None:
     """A module is sharded once: a second call (a second Trainer's setup) goes on with the same runtime when it
     asks for the same sharding, and is refused, naming the difference, when it does not (it would otherwise
     train silently under the first call's options)."""
@@ -157,9 +158,12 @@ def _check_resharding(runtime: ShardRuntime, options: dict, group: Optional[dist
                            " can no longer be gathered. Build a fresh model to shard it again.")
     before = getattr(runtime, "options", {})
     differ = [f"{k}={before[k]!r} then, {k}={v!r} now{_DTYPE_SOURCES if k.endswith('_dtype') else ''}"
-              for k, v in options.items() if k in before and before[k] != v]
+              for k, v in options.items()
+              if k in before and before[k] != v and not (k == "shard_size" and v is None)]  # None: the default
     if group is not runtime.group:
         differ.append("another process group")
+    if mesh is not None and mesh is not runtime.groups.mesh:
+        differ.append("another mesh")
     world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
     if world != runtime.world_size:
         differ.append(f"world size {runtime.world_size} then, {world} now")
