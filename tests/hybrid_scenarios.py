@@ -239,5 +239,13 @@ def own_mesh(rank: int, world: int, shard_size: int) -> dict:
         runtime = shard_module(model, sharding="hybrid", **policy)
         train(model, models.TinyGPT.loss, batches, rank, world, runtime=runtime)
         states[name] = full_state_dict(runtime, rank0_only=False)
+        if name == "mesh":  # sharded again (a second Trainer): the same groups go on, other ones are refused
+            again = shard_module(model, sharding="hybrid", shard_size=shard_size) is runtime
+            try:
+                shard_module(model, sharding="hybrid", mesh=init_device_mesh("cpu", (world // shard_size, shard_size)))
+                other_mesh = None
+            except ValueError as err:
+                other_mesh = str(err)
     return {"equal": all(torch.equal(states["mesh"][k], v) for k, v in states["shard_size"].items()),
-            "groups": (runtime.groups.shard_size, runtime.groups.replicas)}
+            "groups": (runtime.groups.shard_size, runtime.groups.replicas), "again": again,
+            "other_mesh_refused": "another mesh" in (other_mesh or "")}

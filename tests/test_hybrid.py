@@ -58,7 +58,8 @@ def test_zero_grad_failure_and_freezing_inside_an_accumulation_window(hybrid_2x2
 
 
 def test_a_mesh_of_ones_own_trains_as_shard_size(hybrid_2x2):
-    assert all(r["own_mesh"] == {"equal": True, "groups": (2, 2)} for r in hybrid_2x2[0])
+    expected = {"equal": True, "groups": (2, 2), "again": True, "other_mesh_refused": True}
+    assert all(r["own_mesh"] == expected for r in hybrid_2x2[0])
 
 
 def test_bytes_per_step_agree_with_the_formula(hybrid_2x2):
