@@ -2,6 +2,7 @@
 
     python examples/train_gpt.py                      # full sharding, 2 processes, 150 steps
     python examples/train_gpt.py --sharding grad_op --devices 3 --unit-size 200000
+    python examples/train_gpt.py --sharding hybrid --devices 4 --shard-size 2   # 2 replicas of 2-rank groups
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from lightning_shard.app.models.lit_lm import LitLanguageModel
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--devices", type=int, default=2)
-    parser.add_argument("--sharding", default="full", choices=["full", "grad_op", "none"])
+    parser.add_argument("--sharding", default="full", choices=["full", "grad_op", "hybrid", "none"])
+    parser.add_argument("--shard-size", type=int, default=None, help="hybrid: ranks per shard group (default: --devices)")
     parser.add_argument("--unit-size", type=int, default=None)
     parser.add_argument("--max-steps", type=int, default=150)
     parser.add_argument("--width", type=int, default=128)
@@ -36,7 +38,8 @@ def main() -> None:
     model = LitLanguageModel(GPT(data.vocab_size, width=args.width, depth=args.depth, heads=4, max_seq=args.seq))
     trainer = L.Trainer(
         accelerator="cpu", devices=args.devices, max_steps=args.max_steps,
-        strategy=ShardStrategy(sharding=args.sharding, unit_size=args.unit_size),
+        strategy=ShardStrategy(sharding=args.sharding, unit_size=args.unit_size,
+                               shard_size=args.shard_size if args.sharding == "hybrid" else None),
         limit_val_batches=20, val_check_interval=args.max_steps, check_val_every_n_epoch=None,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[PrintProgress(every=10)],

@@ -9,8 +9,8 @@ Layers, each importing only those before it:
     app/         the Hydra training app, its configs, example models and data
     tools/       benchmarks
 
-Importing the package registers the strategy names ``"lightning_shard"``, ``"lightning_shard_grad_op"``
-and ``"lightning_shard_no_shard"`` with Lightning's ``StrategyRegistry``.
+Importing the package registers the strategy names ``"lightning_shard"``, ``"lightning_shard_grad_op"``,
+``"lightning_shard_hybrid"`` and ``"lightning_shard_no_shard"`` with Lightning's ``StrategyRegistry``.
 """
 
 from lightning.pytorch.strategies import StrategyRegistry

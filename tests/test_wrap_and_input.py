@@ -111,7 +111,7 @@ def test_registered_names():
     import lightning as L
 
     for name, sharding in [("lightning_shard", "full"), ("lightning_shard_grad_op", "grad_op"),
-                           ("lightning_shard_no_shard", "none")]:
+                           ("lightning_shard_hybrid", "hybrid"), ("lightning_shard_no_shard", "none")]:
         trainer = L.Trainer(strategy=name, accelerator="cpu", devices=1, logger=False)
         assert isinstance(trainer.strategy, ShardStrategy) and trainer.strategy.sharding == sharding
 

@@ -612,6 +612,7 @@ class ShardStrategy(ParallelStrategy):
         for name, sharding in (
             ("lightning_shard", "full"),
             ("lightning_shard_grad_op", "grad_op"),
+            ("lightning_shard_hybrid", "hybrid"),  # shard groups of a node's devices, replicated across nodes
             ("lightning_shard_no_shard", "none"),
         ):
             if name not in strategy_registry:
