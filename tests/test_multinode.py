@@ -1,6 +1,6 @@
 """Two "nodes" on this machine: the Lightning app launched once per node with NODE_RANK, as on a real cluster
 without a scheduler (README, multi-node), each node starting its second rank itself. Hybrid sharding's default
-shard groups are then the nodes; it matches DDP on the same 4 ranks, and resumes from its own checkpoint."""
+shard groups are then the nodes; it matches DDP on the same 4 ranks."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.timeout(900)
 def test_two_nodes_by_node_rank_hybrid_matches_ddp(tmp_path):
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     command = [sys.executable, APP, "--out", str(tmp_path), "--num-nodes", "2", "--devices", "2", "--sharding", "hybrid",
-               "--accumulate", "2", "--clip", "0.05", "--epochs", "3", "--resume"]
+               "--accumulate", "2", "--clip", "0.05", "--epochs", "3"]
     nodes = []
     for node in (0, 1):  # output to files: a full pipe would block a node, and its peers in their collectives
         log = open(tmp_path / f"node{node}.log", "w")
@@ -35,9 +35,7 @@ def test_two_nodes_by_node_rank_hybrid_matches_ddp(tmp_path):
     logs = [(tmp_path / f"node{node}.log").read_text() for node in (0, 1)]
     assert codes == [0, 0], "\n".join(log[-4000:] for log in logs)
     results = torch.load(tmp_path / "results.pt", weights_only=True)
-    assert_matches_ddp(results, "hybrid")
-    resumed = results["hybrid_resumed"]["losses"]
-    torch.testing.assert_close(torch.tensor(resumed), torch.tensor(results["hybrid"]["losses"]), rtol=1e-6, atol=1e-7)
+    assert_matches_ddp(results, "hybrid")  # its sharded checkpoint's round trips: tests/test_hybrid.py
     assert "sharding='hybrid' (shard groups of 2 ranks, 2 replicas)" in logs[0]
     comm = results["hybrid"]["comm"]  # the last step's: within the nodes, and the gradient shards between them
     assert comm["in_group_bytes"] > 0 and 0 < comm["cross_group_bytes"] < comm["reduce_scatter_bytes"]

@@ -72,7 +72,7 @@ def test_every_parameter_is_owned_exactly_once():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"sharding": "zero3"}, r"`sharding` must be one of 'full', 'grad_op', 'none'; got 'zero3'"),
+        ({"sharding": "zero3"}, r"`sharding` must be one of 'full', 'grad_op', 'hybrid', 'none'; got 'zero3'"),
         ({"unit_size": 0}, r"`unit_size` must be a positive int"),
         ({"unit_size": 2.5}, r"`unit_size` must be a positive int"),
         ({"unit_size": True}, r"`unit_size` must be a positive int"),
