@@ -562,3 +562,10 @@ def side_forward_on_rank_0(rank: int, world: int):
                 model(torch.randn(3, 6))
     runtime.run_step(train, torch.randn(4, 6))
     return runtime.stats.agreements > 0
+
+
+def optimizer_refusals(rank: int, world: int) -> list[str]:
+    """``optimizer_refused``'s cases in one world: an unknown class, LBFGS, the class declared either way, Adafactor."""
+    return [optimizer_refused(rank, world, "MyAdamW"), optimizer_refused(rank, world, "LBFGS"),
+            optimizer_refused(rank, world, "MyAdamW", "elementwise"), optimizer_refused(rank, world, "MyAdamW", "matrix"),
+            optimizer_refused(rank, world, "Adafactor")]

@@ -134,7 +134,7 @@ def load_under_full_and_hybrid(rank: int, world: int, path: str) -> dict:
 
 
 def parity_only(rank: int, world: int, shard_size: int) -> dict:
-    return parity(rank, world, {"sharding": "hybrid", "shard_size": shard_size})
+    return parity(rank, world, {"sharding": "hybrid", "shard_size": shard_size}, steps=10)
 
 
 def options_as_under_full(rank: int, world: int, shard_size: int, steps: int = 4) -> dict:
