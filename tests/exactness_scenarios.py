@@ -4,7 +4,6 @@ ranks see different things, each trained against DDP or a single process on the 
 from __future__ import annotations
 
 import copy
-import os
 
 import torch
 import torch.distributed as dist
@@ -354,54 +353,6 @@ def freeze_on_one_rank(rank: int, world: int):
     if rank == 1:
         model.head.requires_grad_(False)
     model(torch.randn(2, 6)).sum().backward()
-
-
-def backbone_finetuning(rank: int, world: int):
-    """Lightning's BackboneFinetuning (freezes the backbone at setup, unfreezes it at epoch 1 with a param group
-    of its own) under the strategy on ``world`` ranks, each fed its chunk of every global batch, against plain
-    Lightning in one process on the global batches."""
-    import lightning as L
-    from lightning.pytorch.callbacks import BackboneFinetuning
-
-    from lightning_shard import ShardStrategy
-
-    g = torch.Generator().manual_seed(13)
-    data = [(torch.randn(2 * world, 6, generator=g), torch.randn(2 * world, 1, generator=g)) for _ in range(3)]
-
-    class Module(L.LightningModule):
-        def __init__(self, chunk: slice) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.model, self.chunk = Finetuned(), chunk
-
-        @property
-        def backbone(self):
-            return self.model.backbone
-
-        def training_step(self, batch, _):
-            x, y = batch
-            return nn.functional.mse_loss(self.model(x[self.chunk]), y[self.chunk])
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
-
-    def fit(strategy, devices, chunk):
-        module = Module(chunk)
-        trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_epochs=3, logger=False,
-                            callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1)], use_distributed_sampler=False,
-                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=None, collate_fn=lambda b: b))
-        return module, trainer
-
-    # this world's processes are the Trainer's ranks: without LOCAL_RANK, Lightning's launcher would start a
-    # rank 1 of its own by re-running this process's command line (the whole pytest run)
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))
-    sharded, trainer = fit(ShardStrategy(units=["Sequential"]), world, slice(2 * rank, 2 * rank + 2))
-    full = full_state_dict(trainer.strategy.runtime, rank0_only=False)
-    reference, _ = fit("auto", 1, slice(None))
-    for name, value in reference.state_dict().items():
-        torch.testing.assert_close(full[name], value, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
-    return len(trainer.optimizers[0].param_groups)
 
 
 def gradient_norms(rank: int, world: int):

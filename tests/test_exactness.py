@@ -77,10 +77,6 @@ def test_ranks_that_freeze_different_parameters_are_told():
     assert str(failure.value).count("ranks train different parameters") == 2
 
 
-def test_lightning_backbone_finetuning_unfreezes_exactly():
-    assert run_world(scenarios.backbone_finetuning, 2, timeout=300) == [2, 2]
-
-
 def test_gradient_norms_and_clipping_over_the_shards_match_one_process():
     assert run_world(scenarios.gradient_norms, 2, timeout=200) == [True, True]
 

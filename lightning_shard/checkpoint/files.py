@@ -24,6 +24,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
+from lightning_shard.engine.collectives import from_every_rank
+
 MANIFEST = "manifest.json"
 META = "meta.pt"
 FORMAT = "lightning_shard.sharded.v1"
@@ -175,16 +177,6 @@ def _rank_world(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(group), dist.get_world_size(group)
     return 0, 1
-
-
-def from_every_rank(value: Any, group: Optional[dist.ProcessGroup] = None) -> list[Any]:
-    """Every rank's ``value``, in rank order (just ``[value]`` without a process group)."""
-    _, world = _rank_world(group)
-    if world == 1:
-        return [value]
-    everyone: list = [None] * world
-    dist.all_gather_object(everyone, value, group=group)
-    return everyone
 
 
 def _raise_if_any(problems: list[str], where: Path, group: Optional[dist.ProcessGroup]) -> None:

@@ -109,6 +109,7 @@ def _is_elementwise(value: Any, param: Tensor, name: str) -> bool:
 def full_optimizer_state_dict(runtime: ShardRuntime, optimizer: Optimizer, rank0_only: bool = True) -> dict:
     """Every rank must call it; returns the state as ``optimizer.state_dict()`` on the unsharded model."""
     keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
+    runtime.optimizers.agree_on_groups(optimizer)
     local = optimizer.state_dict()
     index = _param_index(runtime, optimizer)
     state: dict[int, dict[str, Any]] = {}
@@ -159,6 +160,7 @@ def _to_cpu(value: Any) -> Any:
 @torch.no_grad()
 def load_full_optimizer_state_dict(runtime: ShardRuntime, optimizer: Optimizer, full: dict) -> None:
     """Load a full optimizer state dict: each rank keeps only its slices."""
+    runtime.optimizers.agree_on_groups(optimizer)
     index = _param_index(runtime, optimizer)
     n_params = sum(len(g["params"]) for g in optimizer.param_groups)
     n_saved = sum(len(g["params"]) for g in full["param_groups"])

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from lightning_shard.checkpoint import files
 from lightning_shard.checkpoint import sharded
+from lightning_shard.engine.collectives import from_every_rank
 
 STATE_DICT_TYPES = ("sharded", "full")
 
@@ -80,7 +81,7 @@ def _all_succeed(step: Callable[[], Any], group: Optional[dist.ProcessGroup]) ->
         outcome = (step(), None)
     except Exception as err:  # noqa: BLE001 - shared below, then raised
         outcome = (None, f"rank {dist.get_rank(group)}: {err!r}")
-    everyone = files.from_every_rank(outcome, group)
+    everyone = from_every_rank(outcome, group)
     failures = [error for _, error in everyone if error]
     if failures:
         raise OSError("; ".join(failures))

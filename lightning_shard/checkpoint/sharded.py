@@ -138,6 +138,7 @@ def _named_groups(optimizer: Optimizer, names: dict[int, tuple[FlatShard, ParamS
 def optimizer_state(runtime: ShardRuntime, optimizer: Optimizer) -> dict[str, Any]:
     """This rank's part of the optimizer state: ``tensors`` (DCP items, views) and the small rest. Every rank
     must call it (the owners' non-tensor state is gathered)."""
+    runtime.optimizers.agree_on_groups(optimizer)
     names = _param_names(runtime)
     whole = runtime.optimizers.whole_states(optimizer)
     tensors: dict[str, Any] = {}
@@ -174,6 +175,7 @@ def load_optimizer_state(
     runtime: ShardRuntime, optimizer: Optimizer, index: int, saved: dict[str, Any], directory: Path, metadata: Metadata
 ) -> None:
     """Rebuild ``optimizer``'s state from checkpoint ``directory``: each rank reads the slices it owns."""
+    runtime.optimizers.agree_on_groups(optimizer)
     names = _param_names(runtime)
     groups = _named_groups(optimizer, names)
     saved_groups = saved["param_groups"]

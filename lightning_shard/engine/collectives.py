@@ -172,6 +172,19 @@ def start_agreement(flags: Tensor, group, stats: CommStats, label: str) -> Pendi
     return _run(launch, flags, stats, True, label=label)
 
 
+def from_every_rank(value: Any, group=None, stats: Optional[CommStats] = None,
+                    label: str = "exchange of small objects") -> list[Any]:
+    """Every rank's picklable ``value``, in rank order (just ``[value]`` without a process group)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return [value]
+    everyone: list = [None] * dist.get_world_size(group)
+    if stats is not None:
+        stats.collectives += 1
+    with _naming_failures(label, time.perf_counter()):
+        dist.all_gather_object(everyone, value, group=group)
+    return everyone
+
+
 def fingerprint(values: list[int]) -> int:
     """A hash of a list of small ints that fits int64, for agreements: ranks compare ``[h, -h]`` under MAX."""
     value = 0

@@ -104,7 +104,7 @@ class ShardRuntime(ModuleGuards):
         self._steps_driven = False  # run_step is in use: a bare root forward is not a step
         self._held = False  # inside keep_gathered(): every unit gathered, forwards run no collective
         self.undo: list[Callable[[], None]] = []  # restores what was wrapped at setup (activation checkpointing)
-        self.optimizers = OptimizerAttachment(units, groups.shard, groups.shard_size, self.stats)
+        self.optimizers = OptimizerAttachment(units, groups, self.stats)
         self._install_hooks()
 
     @property

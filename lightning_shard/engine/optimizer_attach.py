@@ -19,15 +19,17 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_shard.engine.collectives import CommStats
+from lightning_shard.engine.groups import ShardGroups
 from lightning_shard.engine.optimizer_step import DEFAULT_STEP_GROUP_NUMEL, ShardedStep
 from lightning_shard.engine.unit import Unit
 
 
 class OptimizerAttachment:
-    def __init__(self, units: list[Unit], group: Optional[dist.ProcessGroup], world: int, stats: CommStats) -> None:
+    def __init__(self, units: list[Unit], groups: ShardGroups, stats: CommStats) -> None:
         self.units = units
-        self.group = group
-        self.world = world
+        self.groups = groups
+        self.group = groups.shard  # owners' exchanges; the world agrees on the param groups
+        self.world = groups.shard_size
         self.stats = stats
         self._placeholders: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id -> (placeholder, shard)
 
@@ -65,13 +67,20 @@ class OptimizerAttachment:
                     params[i] = self._placeholders[id(param)][1]  # in place: the optimizer may hold the list
         where = {id(shard): (u, unit.storage, s) for u, unit in enumerate(self.units)
                  for s, shard in enumerate(unit.storage.shard_params)}
-        step = ShardedStep(optimizer, whole, where, self.group, self.world, self.stats, step_group_numel)
+        step = ShardedStep(optimizer, whole, where, self.groups, self.stats, step_group_numel)
         optimizer._shard_step = step  # kept by the optimizer: it lives as long as the optimizer
         return step
 
     @staticmethod
     def step_of(optimizer: Optimizer) -> Optional[ShardedStep]:
         return getattr(optimizer, "_shard_step", None)
+
+    def agree_on_groups(self, optimizer: Optimizer) -> None:
+        """The ranks' param groups made the same (every rank must call it): checkpoints do, before they save
+        or load what the groups hold."""
+        step = self.step_of(optimizer)
+        if step is not None:
+            step.agree_on_groups()
 
     def whole_states(self, optimizer: Optimizer) -> Optional[bool]:
         """None for an elementwise optimizer (each rank holds its shards' state); for a whole-parameter one,

@@ -11,7 +11,8 @@ groups swapped for what is being stepped. Per group of an ``owners`` plan::
     all-to-all: the new values -> every rank's shards
 
 The next group's exchange is in flight while the owner steps this one, and this one's return while it steps
-the next. The state of a whole-stepped parameter is kept under its shard parameter (``optimizer.state[shard]``),
+the next. Before that, the ranks agree on what their optimizers hold (``optimizer_groups.py``): a step, and an
+owner plan, are then the same on every rank. The state of a whole-stepped parameter is kept under its shard parameter (``optimizer.state[shard]``),
 on its owner only: 1/N of the optimizer state per rank in aggregate, as for elementwise optimizers.
 """
 
@@ -30,6 +31,8 @@ from torch.optim import Optimizer
 from lightning_shard.engine import collectives
 from lightning_shard.engine.collectives import CommStats, Pending
 from lightning_shard.engine.flat_shard import FlatShard
+from lightning_shard.engine.groups import ShardGroups
+from lightning_shard.engine.optimizer_groups import agree_on_groups
 from lightning_shard.engine.step_plan import OWNERS, SHARDS, VIEWS, Bucket, Entry, StepPlan, params_key, plan_step
 
 DEFAULT_STEP_GROUP_NUMEL = 2**25  # parameter elements per rank stepped at once (128 MiB of fp32 per state tensor)
@@ -39,17 +42,23 @@ class ShardedStep:
     """``optimizer.step`` for a sharded model (the strategy calls it in place of the optimizer's own)."""
 
     def __init__(self, optimizer: Optimizer, whole: bool, where: dict[int, tuple[int, FlatShard, int]],
-                 group: Optional[dist.ProcessGroup], world: int, stats: CommStats, group_numel: int) -> None:
+                 groups: ShardGroups, stats: CommStats, group_numel: int) -> None:
         self.optimizer = optimizer
         self.whole = whole
         self.where = where  # id(shard parameter) -> (unit index, storage, slot)
-        self.group = group
-        self.world = world
-        self.rank = dist.get_rank(group) if world > 1 else 0
+        self.groups = groups
+        self.group, self.world = groups.shard, groups.shard_size  # the owners' exchanges
+        self.rank = dist.get_rank(self.group) if self.world > 1 else 0
         self.stats = stats
         self.group_numel = group_numel
         self._plan: Optional[StepPlan] = None
         self._running = False
+        # the model's parameters by position, name and shard, for the ranks' agreement on the param groups
+        self._index = {key: i for i, key in enumerate(where)}
+        self.names = {key: storage.slots[slot].names[0] for key, (_, storage, slot) in where.items()}
+        self._shards = {storage.slots[slot].names[0]: storage.shard_params[slot] for _, storage, slot in where.values()}
+        self.groups_merged = 0  # how many times the ranks' param groups differed and were merged
+        self._owners: dict[int, int] = {}  # id(shard parameter) -> the owner any plan gave it: its state is there
         if whole:  # its own ``step`` would step 1-D shards, or nothing: only this one may run
             optimizer.register_step_pre_hook(self._refuse_own_step)
 
@@ -67,16 +76,21 @@ class ShardedStep:
         self.optimizer._opt_called = True  # what an LR scheduler's wrapper of ``step`` notes (it warns otherwise)
         return loss
 
+    def agree_on_groups(self) -> None:
+        """Make the ranks' param groups the same (every rank must call it: the step and checkpoints do), merging
+        what sharding made differ (``optimizer_groups.py``); one tiny agreement when they are the same."""
+        if self.groups.world_size > 1 and agree_on_groups(self.optimizer, self._index, self.names, self._shards,
+                                                          self.groups.world, self.stats):
+            self.groups_merged += 1
+
     def plan(self) -> StepPlan:
-        """The plan for the optimizer's current parameters; planned again (and agreed by the ranks) when its
-        param groups change (``add_param_group``)."""
+        """The plan for the optimizer's current parameters, planned again when its param groups change
+        (``add_param_group``). The same on every rank once they agreed on the groups."""
         if self._plan is None or self._plan.key != params_key(self.optimizer):
             whole_shards = not self.whole and _steps_parameter_by_parameter(self.optimizer)
-            plan = plan_step(self.optimizer, self.where, self.whole, self.world,
-                             2**62 if whole_shards else self.group_numel)
-            if any(b.mode == OWNERS for b in plan.buckets):  # only exchanges need the ranks to plan alike
-                _agree_on_plan(plan, self.optimizer, self.group, self.stats)
-            self._plan = plan
+            self._plan = plan_step(self.optimizer, self.where, self.whole, self.world,
+                                   2**62 if whole_shards else self.group_numel, self._owners)
+            self._owners.update(self._plan.owners)
         return self._plan
 
     def owner(self, param: Tensor) -> Optional[int]:
@@ -93,6 +107,7 @@ class ShardedStep:
     @torch.no_grad()
     def _step(self, optimizer: Optimizer, **kwargs: Any) -> None:
         """``kwargs``: what the caller gave ``step`` besides the closure, for every group's step."""
+        self.agree_on_groups()
         plan = self.plan()
         raw = functools.partial(_raw_step(optimizer), **kwargs)
         if len(plan.buckets) == 1 and plan.buckets[0].mode == SHARDS:
@@ -247,18 +262,3 @@ def _raw_step(optimizer: Optimizer) -> Callable[[Optimizer], Any]:
     """The class's ``step`` without torch's hook wrapper (:class:`ShardedStep` runs the hooks once itself)."""
     step = type(optimizer).step
     return getattr(step, "__wrapped__", step) if getattr(step, "hooked", False) else step
-
-
-def _agree_on_plan(plan: StepPlan, optimizer: Optimizer, group: Optional[dist.ProcessGroup], stats: CommStats) -> None:
-    """Ranks whose optimizers hold different parameters would exchange mismatched pieces: an error instead.
-    (An elementwise optimizer needs no agreement: ranks may even hold different parameters, as when Lightning's
-    ``BaseFinetuning.filter_on_optimizer``, which compares values, drops a rank's empty shard.)"""
-    device = next((b.entries[0].param.device for b in plan.buckets if b.entries), torch.device("cpu"))
-    value = collectives.fingerprint(plan.fingerprint)
-    high, low = collectives.agree(torch.tensor([value, -value], device=device), group, stats,
-                                  label="agreement on the optimizer's parameters").tolist()
-    if high != -low:
-        raise RuntimeError(
-            f"lightning_shard: ranks' {type(optimizer).__name__} optimizers hold different parameters (groups or"
-            " order differ between ranks). Build the optimizer, and add parameter groups, the same way on every rank."
-        )

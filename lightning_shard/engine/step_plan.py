@@ -10,6 +10,8 @@ group by group gives the same numbers as one step over all of them.
 Owners are balanced by size within each group, carrying the ranks' loads from group to group (largest
 parameter first, to the least loaded rank): a rank owns at most ``total / N + largest parameter`` elements,
 and every rank has work in every group, so the groups' exchanges overlap other ranks' optimizer compute.
+A parameter keeps its owner when the plan is made again (a param group added during fit): its optimizer state
+lives there.
 """
 
 from __future__ import annotations
@@ -78,14 +80,13 @@ class Bucket:
 class StepPlan:
     buckets: list[Bucket]
     key: tuple  # the optimizer's parameters per group when planned: a change means planning again
-    fingerprint: list[int]  # what ranks compare to know they plan the same exchanges
 
     def __post_init__(self) -> None:
-        self._owners = {id(e.param): o for b in self.buckets for e, o in zip(b.entries, b.owners)}
+        self.owners = {id(e.param): o for b in self.buckets for e, o in zip(b.entries, b.owners)}
 
     def owner(self, param: Tensor) -> Optional[int]:
         """The rank that holds ``param``'s optimizer state, or None when every rank holds its own (its shard)."""
-        return self._owners.get(id(param))
+        return self.owners.get(id(param))
 
 
 def params_key(optimizer: Optimizer) -> tuple:
@@ -93,9 +94,10 @@ def params_key(optimizer: Optimizer) -> tuple:
 
 
 def plan_step(optimizer: Optimizer, where: dict[int, tuple[int, FlatShard, int]], whole: bool, world: int,
-              group_numel: int) -> StepPlan:
+              group_numel: int, kept_owners: Optional[dict[int, int]] = None) -> StepPlan:
     """``where``: id(shard parameter) -> (unit index, storage, slot). ``whole``: the optimizer steps whole
-    parameters. ``group_numel``: elements stepped at once per rank."""
+    parameters. ``group_numel``: elements stepped at once per rank. ``kept_owners``: id(shard parameter) -> the
+    owner an earlier plan gave it, kept."""
     entries = []
     for g, group in enumerate(optimizer.param_groups):
         for param in group["params"]:
@@ -111,11 +113,8 @@ def plan_step(optimizer: Optimizer, where: dict[int, tuple[int, FlatShard, int]]
     elif world == 1 or all(e.storage.world_size == 1 for e in sharded):
         buckets += [Bucket(VIEWS, b) for b in _split(sharded, group_numel, lambda e: e.numel)]
     else:
-        buckets += _owner_buckets(sharded, world, group_numel)
-    owned = [b for b in buckets if b.mode == OWNERS]  # what the ranks' exchanges depend on
-    fingerprint = [v for b in owned for e in b.entries for v in (e.group, e.unit, e.slot, e.numel)]
-    fingerprint += [o for b in owned for o in b.owners]
-    return StepPlan(buckets, params_key(optimizer), fingerprint)
+        buckets += _owner_buckets(sharded, world, group_numel, kept_owners or {})
+    return StepPlan(buckets, params_key(optimizer))
 
 
 def _local_numel(entry: Entry) -> int:
@@ -137,18 +136,21 @@ def _split(entries: list[Entry], limit: int, size) -> list[list[Entry]]:
     return groups
 
 
-def _owner_buckets(entries: list[Entry], world: int, group_numel: int) -> list[Bucket]:
+def _owner_buckets(entries: list[Entry], world: int, group_numel: int, kept: dict[int, int]) -> list[Bucket]:
     """By unit (a unit's parameters are reduced together, so they are ready together), then by size; owners
-    balanced within each bucket, loads carried over."""
+    balanced within each bucket, loads carried over, ``kept`` owners (id(parameter) -> rank) kept."""
     by_unit: dict[int, list[Entry]] = {}
     for entry in sorted(entries, key=lambda e: (e.unit, e.slot)):
         by_unit.setdefault(entry.unit, []).append(entry)
     chunks = [chunk for unit in by_unit.values() for chunk in _split(unit, group_numel * world, lambda e: e.numel)]
     loads = [0] * world
+    for entry in entries:
+        if id(entry.param) in kept:
+            loads[kept[id(entry.param)]] += entry.numel
     buckets = []
     for chunk in chunks:
-        owners = [0] * len(chunk)
-        for i in sorted(range(len(chunk)), key=lambda i: -chunk[i].numel):
+        owners = [kept.get(id(e.param), -1) for e in chunk]
+        for i in sorted((i for i in range(len(chunk)) if owners[i] < 0), key=lambda i: -chunk[i].numel):
             owner = min(range(world), key=lambda r: (loads[r], r))
             owners[i] = owner
             loads[owner] += chunk[i].numel

@@ -3,71 +3,54 @@ optimizer and precision hooks, checkpoint state)."""
 
 from __future__ import annotations
 
-import atexit
-import inspect
-import os
-import shlex
-import weakref
-from collections.abc import Generator, Iterable, Mapping, Sequence
-from contextlib import ExitStack, contextmanager, nullcontext
+from collections.abc import Generator, Iterable, Sequence
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from functools import partial
-from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.core.optimizer import LightningOptimizer, _MockOptimizer
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
-from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
-from lightning.pytorch.utilities.rank_zero import rank_zero_debug, rank_zero_info, rank_zero_only, rank_zero_warn
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_debug, rank_zero_info
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_shard.checkpoint import sharded
-from lightning_shard.checkpoint.full import (
-    full_optimizer_state_dict,
-    full_state_dict,
-    load_full_optimizer_state_dict,
-    load_full_state_dict,
-)
-from lightning_shard.checkpoint.io import (
-    ShardedSource,
-    open_checkpoint,
-    save_full,
-    save_sharded,
-    validate_state_dict_type,
-)
+from lightning_shard.checkpoint.io import validate_state_dict_type
 from lightning_shard.engine.activation_checkpointing import CheckpointSpec, validate_activation_checkpointing
+from lightning_shard.engine.compile import refuse_with_elision, validate_compile
+from lightning_shard.engine.groups import validate_shard_size, validate_sharding
 from lightning_shard.engine.hooks import ShardRuntime
 from lightning_shard.engine.optimizer_step import DEFAULT_STEP_GROUP_NUMEL
-from lightning_shard.engine.compile import refuse_with_elision, validate_compile
-from lightning_shard.engine.optimizers import WHOLE, optimizer_kind, validate_optimizer_classes
+from lightning_shard.engine.optimizers import WHOLE, optimizer_kind
 from lightning_shard.engine.plan import UnitSpec, validate_min_unit_size, validate_unit_size, validate_units
-from lightning_shard.engine.groups import validate_shard_size, validate_sharding
 from lightning_shard.engine.shard_module import shard_module
+from lightning_shard.lightning.checkpointing import CheckpointState
+from lightning_shard.lightning.evaluation import EvaluationHold
+from lightning_shard.lightning.finetuning import record_merged_groups
+from lightning_shard.lightning.guards import refuse_layer_sync_on_sharded, refuse_other_strategies
+from lightning_shard.lightning.memory_report import report_memory_estimate
+from lightning_shard.lightning.options import (
+    check_count,
+    check_declared_optimizers,
+    check_flag,
+    check_nonfinite,
+    check_timeout,
+    check_units_or_size,
+)
 from lightning_shard.lightning.plan_summary import plan_listing, plan_summary
 from lightning_shard.lightning.precision import MixedPrecision, ShardPrecision, validate_mixed_precision
-from lightning_shard.memory.estimate import MemoryEstimate, estimate_sharded
+from lightning_shard.lightning.process_group import GROUP_AT_EXIT, ProcessGroupMixin
+from lightning_shard.memory.estimate import MemoryEstimate
 
 
-class ShardStrategy(ParallelStrategy):
+class ShardStrategy(ProcessGroupMixin, EvaluationHold, CheckpointState, ParallelStrategy):
     """Fully sharded data parallel training, implemented on ``torch.distributed`` collectives.
 
     Args:
@@ -177,49 +160,24 @@ class ShardStrategy(ParallelStrategy):
         self.shard_size = validate_shard_size(shard_size, sharding)
         self.units = validate_units(units)
         self.unit_size = validate_unit_size(unit_size)
-        if self.units is not None and self.unit_size is not None:
-            raise ValueError("Give either `units` (module classes) or `unit_size` (a parameter budget), not both.")
+        check_units_or_size(self.units, self.unit_size)
         self.min_unit_size = validate_min_unit_size(min_unit_size, self.unit_size)
-        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-            raise ValueError(f"`prefetch` must be an int >= 0 (units gathered ahead), got {prefetch!r}.")
-        self.prefetch = prefetch
+        self.prefetch = check_count("prefetch", prefetch, 0, "units gathered ahead")
         self.activation_checkpointing = validate_activation_checkpointing(activation_checkpointing)
-        if not isinstance(elide_backward_gathers, bool):
-            raise ValueError(f"`elide_backward_gathers` must be True or False, got {elide_backward_gathers!r}.")
-        self.elide_backward_gathers = elide_backward_gathers
-        if not isinstance(broadcast_buffers, bool):
-            raise ValueError(f"`broadcast_buffers` must be True or False, got {broadcast_buffers!r}.")
-        self.broadcast_buffers = broadcast_buffers
-        if not isinstance(reduce_during_accumulation, bool):
-            raise ValueError(f"`reduce_during_accumulation` must be True or False, got {reduce_during_accumulation!r}.")
-        self.reduce_during_accumulation = reduce_during_accumulation
+        self.elide_backward_gathers = check_flag("elide_backward_gathers", elide_backward_gathers)
+        self.broadcast_buffers = check_flag("broadcast_buffers", broadcast_buffers)
+        self.reduce_during_accumulation = check_flag("reduce_during_accumulation", reduce_during_accumulation)
         self.mixed_precision = validate_mixed_precision(mixed_precision)
-        if nonfinite not in (None, "skip", "error"):
-            raise ValueError(f"`nonfinite` must be None, 'skip' or 'error'; got {nonfinite!r}.")
-        self.nonfinite = nonfinite
+        self.nonfinite = check_nonfinite(nonfinite)
         self.state_dict_type = validate_state_dict_type(state_dict_type)
-        self._told_how_to_load = False
-        self.elementwise_optimizers = validate_optimizer_classes("elementwise_optimizers", elementwise_optimizers)
-        self.matrix_optimizers = validate_optimizer_classes("matrix_optimizers", matrix_optimizers)
-        both = set(self.elementwise_optimizers) & set(self.matrix_optimizers)
-        if both:
-            raise ValueError(f"{sorted(c.__name__ for c in both)} declared both in `elementwise_optimizers` and in"
-                             " `matrix_optimizers`: an optimizer is one or the other.")
-        if isinstance(step_group_size, bool) or not isinstance(step_group_size, int) or step_group_size < 1:
-            raise ValueError(f"`step_group_size` must be an int >= 1 (parameter elements per rank stepped at once),"
-                             f" got {step_group_size!r}.")
-        self.step_group_size = step_group_size
-        if not isinstance(keep_gathered_in_eval, bool):
-            raise ValueError(f"`keep_gathered_in_eval` must be True or False, got {keep_gathered_in_eval!r}.")
-        self.keep_gathered_in_eval = keep_gathered_in_eval
-        self._eval_hold: Optional[ExitStack] = None
+        self.elementwise_optimizers, self.matrix_optimizers = check_declared_optimizers(elementwise_optimizers,
+                                                                                        matrix_optimizers)
+        self.step_group_size = check_count("step_group_size", step_group_size, 1,
+                                           "parameter elements per rank stepped at once")
+        self.keep_gathered_in_eval = check_flag("keep_gathered_in_eval", keep_gathered_in_eval)
         self.compile = validate_compile(compile)
         refuse_with_elision(self.compile, self.elide_backward_gathers)
-        if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-            timeout = timedelta(seconds=timeout)
-        if timeout is not None and not isinstance(timeout, timedelta):
-            raise ValueError(f"`timeout` must be a timedelta or a number of seconds, got {timeout!r}.")
-        self._timeout = timeout
+        self._timeout = check_timeout(timeout)
         self._process_group_backend = process_group_backend
         self.num_nodes = 1
         self.runtime: Optional[ShardRuntime] = None
@@ -261,34 +219,6 @@ class ShardStrategy(ParallelStrategy):
         the number of collectives, and the seconds compute spent blocked on them (exposed communication)."""
         return dict(self.runtime.last_step_stats) if self.runtime is not None else {}
 
-    # -- processes ----------------------------------------------------------------------------------
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        reset_seed()
-        self.set_world_ranks()
-        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
-            self.root_device
-        )
-        assert self.cluster_environment is not None
-        kwargs: dict[str, Any] = {"timeout": self._timeout}
-        if self.root_device.type != "cpu":
-            kwargs["device_id"] = self.root_device
-        creates_group = not _distributed_is_initialized()
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
-        if creates_group:
-            _GROUP_AT_EXIT.adopt(torch.distributed.group.WORLD)
-
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
-
     # -- setup --------------------------------------------------------------------------------------
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.accelerator is not None and self.model is not None
@@ -299,7 +229,7 @@ class ShardStrategy(ParallelStrategy):
             sharded_before = getattr(self.model, "_shard_runtime", None) is not None
             if self._layer_sync:  # also for validate/test before fit: the model is sharded once, converted or not
                 if sharded_before:
-                    _refuse_layer_sync_on_sharded(self.model)
+                    refuse_layer_sync_on_sharded(self.model)
                 else:
                     self.model = self._layer_sync.apply(self.model)
             self.model = self.precision_plugin.convert_module(self.model)
@@ -317,7 +247,7 @@ class ShardStrategy(ParallelStrategy):
             )
             rank_zero_info(plan_summary(self.runtime, self.sharding, self.world_size))
             rank_zero_debug("lightning_shard units:\n" + plan_listing(self.runtime))
-        self.runtime.apply_checks = [partial(_refuse_other_strategies, self.model)]
+        self.runtime.apply_checks = [partial(refuse_other_strategies, self.model, ShardStrategy)]
         if self.keep_gathered_in_eval:
             rank_zero_info(f"lightning_shard: keep_gathered_in_eval holds every unit gathered during validation, test"
                            f" and predict loops: {self.runtime.held_bytes() / 2**20:.1f} MiB more per rank while they run.")
@@ -328,31 +258,9 @@ class ShardStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
-            self._report_memory_estimate()
-
-    def _report_memory_estimate(self) -> None:
-        """Log the per-rank estimate (activations excluded: they need a batch, see ``lightning_shard.memory.estimate``)
-        and warn before the first step if it already exceeds what this rank's device has."""
-        assert self.runtime is not None
-        optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
-        optimizer = _same_kind(optimizers[0]) if optimizers else torch.optim.SGD
-        step = self.runtime.optimizers.step_of(optimizers[0]) if optimizers else None
-        try:
-            self.memory_estimate = estimate_sharded(self.runtime, self.sharding, self.prefetch, optimizer,
-                                                    whole=step is not None and step.whole,
-                                                    step_group_numel=self.step_group_size)
-        except Exception as err:  # an estimate must never stop training
-            rank_zero_warn(f"lightning_shard: no memory estimate ({type(err).__name__}: {err}).")
-            return
-        peak, available = self.memory_estimate.peak, _device_memory_per_rank(self.root_device, self.num_processes)
-        rank_zero_info(f"lightning_shard: estimated memory per rank before activations: {peak / 2**20:.1f} MiB"
-                       f" (python -m lightning_shard.estimate adds them)\n{self.memory_estimate.table()}")
-        if available is not None and peak > available:
-            rank_zero_warn(
-                f"lightning_shard: the estimated {peak / 2**30:.2f} GiB per rank, before activations, exceeds the"
-                f" {available / 2**30:.2f} GiB this rank's device has: expect out-of-memory. Shard over more ranks,"
-                " use smaller units (unit_size), bf16, or activation_checkpointing."
-            )
+            optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+            self.memory_estimate = report_memory_estimate(self.runtime, optimizers, self.sharding, self.prefetch,
+                                                          self.step_group_size, self.root_device, self.num_processes)
 
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:
         """``configure_optimizers`` sees the parameters in their real shapes (placeholders: ``p.ndim`` rules for
@@ -402,55 +310,6 @@ class ShardStrategy(ParallelStrategy):
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._run_step(super().predict_step, *args, **kwargs)
 
-    # -- evaluation with every unit held ------------------------------------------------------------------
-    @contextmanager
-    def keep_gathered(self) -> Generator[None, None, None]:
-        """Every unit held gathered inside (every rank must enter): forwards without gradients run no collective,
-        so evaluation or generation needs one all-gather per unit in all, and ranks may generate different numbers
-        of tokens. Costs ``strategy.runtime.held_bytes()`` per rank while it lasts."""
-        assert self.runtime is not None, "keep_gathered before the model is sharded"
-        with self.runtime.keep_gathered():
-            yield
-
-    def _hold_for_eval(self) -> None:
-        if self.keep_gathered_in_eval and self.runtime is not None and self._eval_hold is None:
-            hold = ExitStack()
-            hold.enter_context(self.runtime.keep_gathered())
-            self._eval_hold = hold
-
-    def _release_eval(self) -> None:
-        hold, self._eval_hold = self._eval_hold, None
-        if hold is not None:
-            hold.close()  # frees the gathered buffers: no collective, safe after an exception too
-
-    def on_validation_start(self) -> None:
-        super().on_validation_start()
-        self._hold_for_eval()
-
-    def on_validation_end(self) -> None:
-        self._release_eval()
-        super().on_validation_end()
-
-    def on_test_start(self) -> None:
-        super().on_test_start()
-        self._hold_for_eval()
-
-    def on_test_end(self) -> None:
-        self._release_eval()
-        super().on_test_end()
-
-    def on_predict_start(self) -> None:
-        super().on_predict_start()
-        self._hold_for_eval()
-
-    def on_predict_end(self) -> None:
-        self._release_eval()
-        super().on_predict_end()
-
-    def on_exception(self, exception: BaseException) -> None:
-        self._release_eval()
-        super().on_exception(exception)
-
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Non-final micro-batches of gradient accumulation."""
@@ -466,8 +325,12 @@ class ShardStrategy(ParallelStrategy):
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         assert self.runtime is not None
         inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        step = self.runtime.optimizers.step_of(inner)
+        merged = step.groups_merged if step is not None else 0
         with self.runtime.optimizers.stepping(inner):  # the step Lightning (or its gradient scaler) calls
             output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if step is not None and step.groups_merged != merged and self.lightning_module is not None:
+            record_merged_groups(self.lightning_module.trainer, self.optimizers.index(inner), inner, step.names)
         self.runtime.after_optimizer_step()
         self._log_comm_stats()
         return output
@@ -501,87 +364,6 @@ class ShardStrategy(ParallelStrategy):
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
 
-    # -- collectives for Lightning (logging, metrics, decisions) ------------------------------------
-    def barrier(self, name: Optional[str] = None) -> None:
-        if not _distributed_is_initialized():
-            return
-        if torch.distributed.get_backend() == "nccl":
-            torch.distributed.barrier(device_ids=[self.root_device.index])
-        else:
-            torch.distributed.barrier()
-
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not _distributed_is_initialized():
-            return obj
-        holder = [obj]
-        torch.distributed.broadcast_object_list(holder, src, group=_group.WORLD)
-        return holder[0]
-
-    def reduce(
-        self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
-    ) -> Union[Tensor, Any]:
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
-
-    # -- state --------------------------------------------------------------------------------------
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Sharded: this rank's shards (views, for DCP). Full: the unsharded state dict on rank 0 ({} elsewhere)."""
-        assert self.runtime is not None
-        if self.state_dict_type == "sharded":
-            return sharded.model_state(self.runtime)
-        return full_state_dict(self.runtime, rank0_only=True)
-
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        assert self.runtime is not None
-        if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
-        if self.state_dict_type == "sharded":
-            return sharded.optimizer_state(self.runtime, optimizer)
-        return full_optimizer_state_dict(self.runtime, optimizer, rank0_only=True)
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        """Written beside the target and moved into place when complete: a save that fails or is killed
-        half-way leaves the previous checkpoint intact, and a partial one never carries its name."""
-        path = Path(self.broadcast(os.fspath(filepath)))
-        if self.state_dict_type == "sharded":
-            if storage_options is not None:
-                raise TypeError("`storage_options` is not supported with state_dict_type='sharded'.")
-            save_sharded(checkpoint, path, group=None)
-            if not self._told_how_to_load:
-                self._told_how_to_load = True
-                example = shlex.quote(str(path.parent / "NAME.ckpt"))  # this one may be rotated away later
-                rank_zero_info(f"lightning_shard: checkpoints are sharded directories (one file per rank, resumable"
-                               f" on any number of ranks). For one process: `python -m lightning_shard.consolidate"
-                               f" {example}` (e.g. the best_model_path of your ModelCheckpoint), then"
-                               f" `YourLightningModule.load_from_checkpoint(...)` on the file it writes; or"
-                               f" `ShardStrategy(state_dict_type='full')`.")
-        elif self.is_global_zero:
-            save_full(checkpoint, path, self.checkpoint_io, storage_options)
-
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Either format, saved on any number of ranks; checked first, read with ``weights_only=True``."""
-        path = Path(self.broadcast(os.fspath(checkpoint_path)))
-        return open_checkpoint(path)
-
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        assert self.runtime is not None
-        source = checkpoint["state_dict"]
-        if isinstance(source, ShardedSource):
-            sharded.load_model_state(self.runtime, source.directory, source.metadata, strict=strict)
-        else:
-            load_full_state_dict(self.runtime, source, strict=strict)
-
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        assert self.runtime is not None
-        source = checkpoint["state_dict"]
-        for i, (optimizer, state) in enumerate(zip(self.optimizers, checkpoint["optimizer_states"])):
-            if isinstance(source, ShardedSource):
-                sharded.load_optimizer_state(self.runtime, optimizer, i, state, source.directory,
-                                                        source.metadata)
-            else:
-                load_full_optimizer_state_dict(self.runtime, optimizer, state)
-
     def teardown(self) -> None:
         # Unlike the base class, do not move the module to CPU: that would break its shard views.
         assert self.cluster_environment is not None and self.accelerator is not None
@@ -589,7 +371,7 @@ class ShardStrategy(ParallelStrategy):
             self._complete_inflight_gathers()
             self.barrier()  # no rank goes on to exit, closing its sockets, while another still communicates
         else:  # a peer may be dead or stuck in a collective: waiting on it, or destroying the group, could hang
-            _GROUP_AT_EXIT.failed = True
+            GROUP_AT_EXIT.failed = True
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
@@ -620,80 +402,3 @@ class ShardStrategy(ParallelStrategy):
                                            sharding=sharding)
 
 
-def _refuse_other_strategies(model: Any) -> None:
-    """Run at every conversion of a sharded model (``model.to(device)``, the first thing a Lightning strategy's
-    setup does): a Trainer with another strategy would step its 1-D shards as if they were the model (DDP
-    would broadcast rank 0's shards over the others' first)."""
-    trainer = getattr(model, "_trainer", None)
-    if trainer is None or trainer.state.status != TrainerStatus.RUNNING:  # a finished one: the user's own call
-        return
-    strategy = trainer.strategy
-    if not isinstance(strategy, ShardStrategy):
-        raise RuntimeError(
-            f"lightning_shard: this model was sharded by ShardStrategy (its parameters are 1-D shards of the"
-            f" model's), so a Trainer with {type(strategy).__name__} cannot run it. Use"
-            " Trainer(strategy=ShardStrategy(...)) with the options it was sharded with, or a fresh model."
-        )
-
-
-def _refuse_layer_sync_on_sharded(model: Any) -> None:
-    """``sync_batchnorm=True`` replaces batch norms by new modules, which would hold the old ones' shards."""
-    plain = [name for name, m in model.named_modules()
-             if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and not isinstance(m, torch.nn.SyncBatchNorm)]
-    if plain:
-        raise ValueError(
-            f"lightning_shard: `sync_batchnorm=True` on a model sharded without it would replace its batch norms"
-            f" ({plain[:4]}) after sharding. Give the Trainer that first sharded it `sync_batchnorm=True`, or use"
-            " a fresh model."
-        )
-
-
-class _GroupAtExit:
-    """Destroys, at interpreter exit, the default process group a ShardStrategy created, unless a run failed.
-
-    Left to interpreter shutdown, the group's backend threads are torn down while Python is finalizing, when a
-    thread that needs the GIL (to free a tensor it held) is killed inside a destructor: the process aborts with
-    "terminate called without an active exception", most often when a peer has already exited and closed its
-    sockets. Destroying the group while the interpreter is whole joins those threads cleanly. It is not done
-    in ``teardown``: Trainer.validate/test after fit, and ``full_state_dict(strategy.runtime)``, still use the
-    group (Lightning's DDPStrategy keeps it too). After a failure a peer may be stuck in a collective, and
-    destroying could block on it: the process is exiting with an error anyway.
-    """
-
-    def __init__(self) -> None:
-        self.group: Optional[weakref.ref] = None  # weak: a group the user destroys must not live on here
-        self.failed = False
-        self._registered = False
-
-    def adopt(self, group: Any) -> None:
-        self.group = weakref.ref(group)
-        if not self._registered:
-            atexit.register(self)
-            self._registered = True
-
-    def __call__(self) -> None:
-        group = self.group() if self.group is not None else None
-        # only the group created here: a later group (a user's re-init) is its creator's to destroy
-        if group is None or self.failed or not _distributed_is_initialized():
-            return
-        if torch.distributed.group.WORLD is group:
-            torch.distributed.destroy_process_group()
-
-
-_GROUP_AT_EXIT = _GroupAtExit()
-
-
-def _same_kind(optimizer: Optimizer) -> Callable[[list], Optimizer]:
-    """A factory of optimizers like ``optimizer`` (its constructor's own options), for the estimator's probe."""
-    accepted = inspect.signature(type(optimizer)).parameters
-    options = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-    return lambda params: type(optimizer)(params, **options)
-
-
-def _device_memory_per_rank(device: torch.device, local_ranks: int) -> Optional[int]:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    try:  # CPU ranks on one machine share its memory
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(local_ranks, 1)
-    except (ValueError, OSError, AttributeError):
-        return None

@@ -1,0 +1,118 @@
+"""The checkpoint side of ShardStrategy: model and optimizer state in either format (sharded directories or one
+full file), and what a resumed fit needs beyond them: the parameters that were trainable when the checkpoint was
+saved (a fine-tuning callback unfreezes layers during fit; Lightning restores neither their flags nor, for a
+strategy that restores after setup, the callback's param groups in time)."""
+
+from __future__ import annotations
+
+import os
+import shlex
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Optional
+
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.optim import Optimizer
+
+from lightning_shard.checkpoint import sharded
+from lightning_shard.checkpoint.full import (
+    full_optimizer_state_dict,
+    full_state_dict,
+    load_full_optimizer_state_dict,
+    load_full_state_dict,
+)
+from lightning_shard.checkpoint.io import ShardedSource, open_checkpoint, save_full, save_sharded
+from lightning_shard.engine.hooks import ShardRuntime
+from lightning_shard.lightning.finetuning import readd_finetuning_groups
+
+RECORD = "lightning_shard"  # the checkpoint's key for what this strategy adds: {"trainable": [names]}
+
+
+class CheckpointState:
+    """Mixed into ShardStrategy (which sets ``runtime``, ``state_dict_type`` and the Lightning attributes used)."""
+
+    runtime: Optional[ShardRuntime]
+    state_dict_type: str
+    _told_how_to_load = False
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Sharded: this rank's shards (views, for DCP). Full: the unsharded state dict on rank 0 ({} elsewhere)."""
+        assert self.runtime is not None
+        if self.state_dict_type == "sharded":
+            return sharded.model_state(self.runtime)
+        return full_state_dict(self.runtime, rank0_only=True)
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        assert self.runtime is not None
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        if self.state_dict_type == "sharded":
+            return sharded.optimizer_state(self.runtime, optimizer)
+        return full_optimizer_state_dict(self.runtime, optimizer, rank0_only=True)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Written beside the target and moved into place when complete: a save that fails or is killed
+        half-way leaves the previous checkpoint intact, and a partial one never carries its name."""
+        path = Path(self.broadcast(os.fspath(filepath)))
+        assert self.runtime is not None
+        checkpoint[RECORD] = {"trainable": [name for name, p in self.runtime.root.named_parameters() if p.requires_grad]}
+        if self.state_dict_type == "sharded":
+            if storage_options is not None:
+                raise TypeError("`storage_options` is not supported with state_dict_type='sharded'.")
+            save_sharded(checkpoint, path, group=None)
+            if not self._told_how_to_load:
+                self._told_how_to_load = True
+                example = shlex.quote(str(path.parent / "NAME.ckpt"))  # this one may be rotated away later
+                rank_zero_info(f"lightning_shard: checkpoints are sharded directories (one file per rank, resumable"
+                               f" on any number of ranks). For one process: `python -m lightning_shard.consolidate"
+                               f" {example}` (e.g. the best_model_path of your ModelCheckpoint), then"
+                               f" `YourLightningModule.load_from_checkpoint(...)` on the file it writes; or"
+                               f" `ShardStrategy(state_dict_type='full')`.")
+        elif self.is_global_zero:
+            save_full(checkpoint, path, self.checkpoint_io, storage_options)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Either format, saved on any number of ranks; checked first, read with ``weights_only=True``."""
+        path = Path(self.broadcast(os.fspath(checkpoint_path)))
+        return open_checkpoint(path)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        assert self.runtime is not None
+        source = checkpoint["state_dict"]
+        if isinstance(source, ShardedSource):
+            sharded.load_model_state(self.runtime, source.directory, source.metadata, strict=strict)
+        else:
+            load_full_state_dict(self.runtime, source, strict=strict)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Resuming a fit: the parameters trainable when it was saved, the fine-tuning callbacks' param groups,
+        then the optimizer states."""
+        assert self.runtime is not None
+        _restore_trainable(self.runtime, checkpoint.get(RECORD, {}).get("trainable"))
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None:
+            readd_finetuning_groups(trainer)
+        source = checkpoint["state_dict"]
+        for i, (optimizer, state) in enumerate(zip(self.optimizers, checkpoint["optimizer_states"])):
+            if isinstance(source, ShardedSource):
+                sharded.load_optimizer_state(self.runtime, optimizer, i, state, source.directory, source.metadata)
+            else:
+                load_full_optimizer_state_dict(self.runtime, optimizer, state)
+
+
+def _restore_trainable(runtime: ShardRuntime, trainable: Optional[list[str]]) -> None:
+    """``requires_grad`` as when the checkpoint was saved (a fine-tuning callback's ``freeze_before_training`` at
+    setup freezes what it unfroze during fit; Lightning's own resume leaves it frozen). Checkpoints without the
+    record (saved by another strategy) leave the flags alone."""
+    if trainable is None:
+        return
+    wanted = set(trainable)
+    changed = [(name, p) for name, p in runtime.root.named_parameters() if p.requires_grad != (name in wanted)]
+    for name, param in changed:
+        param.requires_grad_(name in wanted)
+    if changed:
+        thawed = [name for name, p in changed if p.requires_grad]
+        frozen = [name for name, p in changed if not p.requires_grad]
+        rank_zero_info(f"lightning_shard: trainable parameters as when the checkpoint was saved: {len(thawed)}"
+                       f" trainable again {thawed[:3]}, {len(frozen)} frozen again {frozen[:3]}.")

@@ -1,0 +1,36 @@
+"""Refusals for a model that is already sharded: another strategy's Trainer, or a layer conversion after sharding."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.pytorch.trainer.states import TrainerStatus
+
+
+def refuse_other_strategies(model: Any, strategy_class: type) -> None:
+    """Run at every conversion of a sharded model (``model.to(device)``, the first thing a Lightning strategy's
+    setup does): a Trainer with another strategy would step its 1-D shards as if they were the model (DDP
+    would broadcast rank 0's shards over the others' first)."""
+    trainer = getattr(model, "_trainer", None)
+    if trainer is None or trainer.state.status != TrainerStatus.RUNNING:  # a finished one: the user's own call
+        return
+    strategy = trainer.strategy
+    if not isinstance(strategy, strategy_class):
+        raise RuntimeError(
+            f"lightning_shard: this model was sharded by ShardStrategy (its parameters are 1-D shards of the"
+            f" model's), so a Trainer with {type(strategy).__name__} cannot run it. Use"
+            " Trainer(strategy=ShardStrategy(...)) with the options it was sharded with, or a fresh model."
+        )
+
+
+def refuse_layer_sync_on_sharded(model: Any) -> None:
+    """``sync_batchnorm=True`` replaces batch norms by new modules, which would hold the old ones' shards."""
+    plain = [name for name, m in model.named_modules()
+             if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and not isinstance(m, torch.nn.SyncBatchNorm)]
+    if plain:
+        raise ValueError(
+            f"lightning_shard: `sync_batchnorm=True` on a model sharded without it would replace its batch norms"
+            f" ({plain[:4]}) after sharding. Give the Trainer that first sharded it `sync_batchnorm=True`, or use"
+            " a fresh model."
+        )

@@ -1,0 +1,55 @@
+"""What the strategy says at setup about memory: the estimator's figures per rank, and a warning before the first
+step when they already exceed what the rank's device has."""
+
+from __future__ import annotations
+
+import inspect
+import os
+from typing import Callable, Optional
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.optim import Optimizer
+
+from lightning_shard.engine.hooks import ShardRuntime
+from lightning_shard.memory.estimate import MemoryEstimate, estimate_sharded
+
+
+def report_memory_estimate(runtime: ShardRuntime, optimizers: list[Optimizer], sharding: str, prefetch: int,
+                           step_group_numel: int, device: torch.device, local_ranks: int) -> Optional[MemoryEstimate]:
+    """Log the per-rank estimate (activations excluded: they need a batch, see ``lightning_shard.memory.estimate``)
+    and warn if it already exceeds what this rank's device has; the estimate, or None if it could not be made."""
+    optimizer = _same_kind(optimizers[0]) if optimizers else torch.optim.SGD
+    step = runtime.optimizers.step_of(optimizers[0]) if optimizers else None
+    try:
+        estimate = estimate_sharded(runtime, sharding, prefetch, optimizer, whole=step is not None and step.whole,
+                                    step_group_numel=step_group_numel)
+    except Exception as err:  # an estimate must never stop training
+        rank_zero_warn(f"lightning_shard: no memory estimate ({type(err).__name__}: {err}).")
+        return None
+    peak, available = estimate.peak, _device_memory_per_rank(device, local_ranks)
+    rank_zero_info(f"lightning_shard: estimated memory per rank before activations: {peak / 2**20:.1f} MiB"
+                   f" (python -m lightning_shard.estimate adds them)\n{estimate.table()}")
+    if available is not None and peak > available:
+        rank_zero_warn(
+            f"lightning_shard: the estimated {peak / 2**30:.2f} GiB per rank, before activations, exceeds the"
+            f" {available / 2**30:.2f} GiB this rank's device has: expect out-of-memory. Shard over more ranks,"
+            " use smaller units (unit_size), bf16, or activation_checkpointing."
+        )
+    return estimate
+
+
+def _same_kind(optimizer: Optimizer) -> Callable[[list], Optimizer]:
+    """A factory of optimizers like ``optimizer`` (its constructor's own options), for the estimator's probe."""
+    accepted = inspect.signature(type(optimizer)).parameters
+    options = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    return lambda params: type(optimizer)(params, **options)
+
+
+def _device_memory_per_rank(device: torch.device, local_ranks: int) -> Optional[int]:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:  # CPU ranks on one machine share its memory
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(local_ranks, 1)
+    except (ValueError, OSError, AttributeError):
+        return None
