@@ -2,9 +2,11 @@
 frozen, during fit, with every kind of optimizer, against one process on the same global batches (not DDP, which
 never all-reduces what was frozen when it was wrapped).
 
-The model's layout leaves some parameters' shards empty on some ranks, where a value comparison (Lightning's
-``BaseFinetuning.filter_on_optimizer``) finds them equal to another empty shard the optimizer holds and drops
-them: the ranks' groups differ until the step merges them.
+The model's layout leaves some parameters' shards empty on some ranks, where a value comparison finds them equal
+to another empty shard the optimizer holds and drops them: the ranks' groups differ until the step merges them.
+Lightning's own ``BaseFinetuning.filter_on_optimizer`` compares identities under the strategy
+(``lightning/finetuning.py``); the scenarios filter by value as Lightning does without it (``add_by_value``), as
+third-party code may.
 """
 
 from __future__ import annotations
@@ -57,6 +59,16 @@ def build_optimizers(model: nn.Module, name: str) -> list[torch.optim.Optimizer]
     raise ValueError(name)
 
 
+def add_by_value(module: nn.Module, optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Lightning's ``unfreeze_and_add_param_group`` as it is without the strategy: parameters equal in value to one
+    the optimizer holds (``torch.equal``) are left out."""
+    module.requires_grad_(True)
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    params = [p for p in module.parameters() if not any(torch.equal(p, q) for q in held)]
+    if params:
+        optimizer.add_param_group({"params": params, "lr": lr})
+
+
 def batches(n: int, seed: int = 13) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(GLOBAL_BATCH, 6, generator=g), torch.randn(GLOBAL_BATCH, 1, generator=g)) for _ in range(n)]
@@ -69,8 +81,8 @@ def _chunk(rank: int, world: int) -> slice:
 
 # -- the engine alone ---------------------------------------------------------------------------------
 def unfreeze_into_a_group(rank: int, world: int, names: list[str]) -> dict:
-    """Per optimizer: the backbone frozen, unfrozen at step 2 into a group of its own through Lightning's
-    ``BaseFinetuning.unfreeze_and_add_param_group`` (value-based filtering), block 0 frozen again at step 4."""
+    """Per optimizer: the backbone frozen, unfrozen at step 2 into a group of its own by value-based filtering
+    (:func:`add_by_value`), block 0 frozen again at step 4 (``BaseFinetuning.freeze``)."""
     from lightning.pytorch.callbacks import BaseFinetuning
 
     report = {}
@@ -90,7 +102,7 @@ def unfreeze_into_a_group(rank: int, world: int, names: list[str]) -> dict:
                                    (sharded, optimizers, _chunk(rank, world))):
             for step, (x, y) in enumerate(batches(6)):
                 if step == 2:
-                    BaseFinetuning.unfreeze_and_add_param_group(model.backbone, opts[0], lr=3e-3)
+                    add_by_value(model.backbone, opts[0], lr=3e-3)
                 if step == 4:
                     BaseFinetuning.freeze(model.backbone[0])
                 nn.functional.mse_loss(model(x[chunk]), y[chunk]).backward()
@@ -168,12 +180,21 @@ def _lightning_classes():
 
     class Unfreezing(BackboneFinetuning):
         """BackboneFinetuning (the backbone unfrozen at epoch 1 into a group of its own: into the Muon optimizer's
-        only, when there are two), then block 0 frozen again at epoch 3."""
+        only, when there are two), then block 0 frozen again at epoch 3. ``by_value``: its parameters filtered by
+        value (:func:`add_by_value`), not by Lightning's filter."""
+
+        def __init__(self, by_value: bool) -> None:
+            super().__init__(unfreeze_backbone_at_epoch=1)
+            self.by_value = by_value
 
         def finetune_function(self, pl_module, epoch, optimizer):
             if isinstance(optimizer, torch.optim.AdamW) and pl_module.name == "muon":
                 return
-            super().finetune_function(pl_module, epoch, optimizer)
+            if epoch == 1 and self.by_value:
+                self.previous_backbone_lr = optimizer.param_groups[0]["lr"] * self.backbone_initial_ratio_lr
+                add_by_value(pl_module.backbone, optimizer, self.previous_backbone_lr)
+            else:
+                super().finetune_function(pl_module, epoch, optimizer)
             if epoch == 3:
                 self.freeze(pl_module.backbone[0])
 
@@ -181,18 +202,21 @@ def _lightning_classes():
 
 
 def fit(name: str, strategy, devices: int, chunk: slice, epochs: int = 4, accumulate: int = 1,
-        save_to: Optional[Path] = None, resume_from: Optional[Path] = None):
+        save_to: Optional[Path] = None, resume_from: Optional[Path] = None, by_value: bool = False):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     L, FinetuneModule, Unfreezing = _lightning_classes()
     if name == "muon":
         orthogonalise_in_fp32()
     module = FinetuneModule(name, chunk)
-    callbacks = [Unfreezing(unfreeze_backbone_at_epoch=1)]
+    callbacks = [Unfreezing(by_value)]
     if save_to is not None:
         callbacks.append(ModelCheckpoint(save_to, filename="{epoch}", save_top_k=-1, every_n_epochs=1))
+    # norm clipping reads the optimizer's parameters right after the backward that follows the unfreeze
+    clip = None if name == "muon" else 0.5  # (Lightning clips in automatic optimization only)
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_epochs=epochs, logger=False,
                         accumulate_grad_batches=accumulate, callbacks=callbacks, use_distributed_sampler=False,
+                        gradient_clip_val=clip,
                         enable_checkpointing=save_to is not None, enable_progress_bar=False,
                         enable_model_summary=False)
     data = torch.utils.data.DataLoader(batches(4), batch_size=None, collate_fn=lambda b: b)
@@ -215,19 +239,20 @@ def _compare(trainer, reference: nn.Module, tag: str) -> None:
         torch.testing.assert_close(full[key], value, rtol=1e-5, atol=atol, msg=lambda m, k=key: f"[{tag}] {k}: {m}")
 
 
-def lightning_finetuning(rank: int, world: int, cases: list[tuple[str, int, Optional[str]]],
+def lightning_finetuning(rank: int, world: int, cases: list[tuple[str, int, Optional[str], bool]],
                          save_dir: Optional[str] = None) -> list[dict]:
-    """Each case ``(optimizer, accumulate_grad_batches, checkpoint kind to save every epoch or None)`` under
-    ShardStrategy on this world against one process, uninterrupted, on the same global batches."""
+    """Each case ``(optimizer, accumulate_grad_batches, checkpoint kind to save every epoch or None, by value)``
+    under ShardStrategy on this world against one process, uninterrupted, on the same global batches."""
     from lightning_shard import ShardStrategy
 
     _as_lightning_rank(rank, world)
     results = []
-    for name, accumulate, kind in cases:
+    for name, accumulate, kind, by_value in cases:
         save_to = Path(save_dir) / f"{name}-{kind}" if kind is not None else None
         strategy = ShardStrategy(units=UNITS, matrix_optimizers=[Lamb], state_dict_type=kind or "sharded")
-        sharded, trainer = fit(name, strategy, world, _chunk(rank, world), accumulate=accumulate, save_to=save_to)
-        reference, _ = fit(name, "auto", 1, slice(None), accumulate=accumulate)
+        sharded, trainer = fit(name, strategy, world, _chunk(rank, world), accumulate=accumulate, save_to=save_to,
+                               by_value=by_value)
+        reference, _ = fit(name, "auto", 1, slice(None), accumulate=accumulate, by_value=by_value)
         _compare(trainer, reference, f"{name}, accumulate {accumulate}")
         steps = [trainer.strategy.runtime.optimizers.step_of(opt) for opt in trainer.optimizers]
         results.append({"merged": sum(s.groups_merged for s in steps),
@@ -236,7 +261,7 @@ def lightning_finetuning(rank: int, world: int, cases: list[tuple[str, int, Opti
     return results
 
 
-def lightning_resume(rank: int, world: int, cases: list[tuple[str, str]], save_dir: str) -> list[dict]:
+def lightning_resume(rank: int, world: int, cases: list[tuple[str, str, bool]], save_dir: str) -> list[dict]:
     """Each case ``(optimizer, checkpoint kind)``: resume from the checkpoint written after epoch 1 (just after
     the unfreeze) by :func:`lightning_finetuning` on another number of ranks, train on to the end, and compare
     with one process that never stopped."""
@@ -244,11 +269,11 @@ def lightning_resume(rank: int, world: int, cases: list[tuple[str, str]], save_d
 
     _as_lightning_rank(rank, world)
     results = []
-    for name, kind in cases:
+    for name, kind, by_value in cases:
         checkpoint = Path(save_dir) / f"{name}-{kind}" / "epoch=1.ckpt"
         strategy = ShardStrategy(units=UNITS, matrix_optimizers=[Lamb], state_dict_type=kind)
-        resumed, trainer = fit(name, strategy, world, _chunk(rank, world), resume_from=checkpoint)
-        reference, _ = fit(name, "auto", 1, slice(None))
+        resumed, trainer = fit(name, strategy, world, _chunk(rank, world), resume_from=checkpoint, by_value=by_value)
+        reference, _ = fit(name, "auto", 1, slice(None), by_value=by_value)
         _compare(trainer, reference, f"{name} resumed from {kind} on {world} ranks")
         results.append({"groups": [[len(g["params"]) for g in opt.param_groups] for opt in trainer.optimizers]})
     dist.barrier()

@@ -34,18 +34,21 @@ def test_groups_added_by_value_comparison_are_merged_and_train_like_one_process(
 def test_lightning_fine_tuning_with_every_optimizer_then_resumed_on_other_world_sizes(tmp_path):
     """BackboneFinetuning (unfreeze at epoch 1, block 0 frozen again at epoch 3) over 4 epochs on 2 ranks, saving
     every epoch; then resumed from epoch 1 on 3 ranks (sharded) and on 1 (full); all against one process."""
-    cases = [("adamw", 1, "sharded"), ("adafactor", 1, "full"), ("lamb", 1, None), ("muon", 1, None),
-             ("adamw", 2, None)]
+    # Lightning's own filter (compares identities under the strategy: nothing to merge), or a value comparison as
+    # third-party callbacks may do (the ranks' groups merged at the first step after the unfreeze, and the callback's
+    # record of them rewritten: the full checkpoint of epoch 1 resumes)
+    cases = [("adamw", 1, "sharded", False), ("adafactor", 1, "full", True), ("lamb", 1, None, True),
+             ("muon", 1, None, True), ("adamw", 2, None, True)]
     results = run_world(scenarios.lightning_finetuning, 2, cases, str(tmp_path), timeout=500)
-    for i, (name, _, _) in enumerate(cases):
+    for i, (name, _, _, by_value) in enumerate(cases):
         first = results[0][i]
         assert all(r[i] == first for r in results), name  # the same groups on every rank
-        assert first["merged"] == 1, name
+        assert first["merged"] == int(by_value), name
         assert first["groups"] == ([[2, 4], [1]] if name == "muon" else [[3, 6]]), name
         assert not any(n.startswith("net.backbone.0.") for n in first["trainable"]), name  # frozen again
-    assert run_world(scenarios.lightning_resume, 3, [("adamw", "sharded")], str(tmp_path), timeout=300) == [
+    assert run_world(scenarios.lightning_resume, 3, [("adamw", "sharded", False)], str(tmp_path), timeout=300) == [
         [{"groups": [[3, 6]]}]] * 3
-    assert run_world(scenarios.lightning_resume, 1, [("adafactor", "full")], str(tmp_path), timeout=300) == [
+    assert run_world(scenarios.lightning_resume, 1, [("adafactor", "full", True)], str(tmp_path), timeout=300) == [
         [{"groups": [[3, 6]]}]]
 
 

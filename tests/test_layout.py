@@ -9,7 +9,7 @@ import fnmatch
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "lightning_shard"
-COMMANDS = {"__init__", "train", "estimate", "bench", "consolidate"}  # `python -m lightning_shard.X`
+COMMANDS = {"__init__", "train", "estimate", "bench", "consolidate", "export"}  # `python -m lightning_shard.X`
 # each layer and the layers it may import (besides itself)
 BELOW = {
     "engine": set(),

@@ -10,7 +10,7 @@ error rather than silently mangled.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Set as AbstractSet
 from contextlib import contextmanager
 from typing import Any
 
@@ -19,7 +19,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_shard.checkpoint.weights import TensorSource, load_into
+from lightning_shard.checkpoint.sources import TensorSource
+from lightning_shard.checkpoint.weights import load_into
 from lightning_shard.engine import collectives
 from lightning_shard.engine.flat_shard import FlatShard, ParamSlot
 from lightning_shard.engine.hooks import ShardRuntime
@@ -33,34 +34,59 @@ def gather_master(runtime: ShardRuntime, storage: FlatShard) -> Tensor:
     return collectives.all_gather(out, storage.shard, runtime.groups.shard, runtime.stats).wait()
 
 
+def gather_slots(runtime: ShardRuntime, storage: FlatShard, slots: list[int]) -> list[Tensor]:
+    """The full master values of some of a unit's parameters, on every rank, moving only theirs (a unit's LoRA
+    adapter, not its base weights): each rank's pieces, padded to the longest rank's, in one all-gather."""
+    def pieces(rank: int) -> list[int]:
+        return [hi - lo for lo, hi in (storage.param_range(storage.slots[s], rank) for s in slots)]
+
+    mine = [storage.shard[slice(*storage.shard_range(storage.slots[s]))] for s in slots]
+    if storage.world_size == 1:
+        return [piece.view(storage.slots[s].shape) for piece, s in zip(mine, slots)]
+    lengths = [pieces(r) for r in range(storage.world_size)]
+    longest = max(map(sum, lengths))
+    local = torch.nn.functional.pad(torch.cat(mine), (0, longest - sum(lengths[storage.rank])))
+    out = local.new_empty(longest * storage.world_size)
+    rows = collectives.all_gather(out, local, runtime.groups.shard, runtime.stats).wait().view(storage.world_size, -1)
+    parts = [row[: sum(n)].split(n) for row, n in zip(rows, lengths)]
+    return [torch.cat([part[i] for part in parts]).view(storage.slots[s].shape) for i, s in enumerate(slots)]
+
+
 @torch.no_grad()
-def full_state_dict(runtime: ShardRuntime, rank0_only: bool = True) -> dict[str, Any]:
+def full_state_dict(runtime: ShardRuntime, rank0_only: bool = True, skip: AbstractSet[str] = frozenset()) -> dict[str, Any]:
     """What ``state_dict()`` of the unsharded module returns (on CPU): its keys, after any state-dict hooks
     (``_register_state_dict_hook``, ``register_state_dict_post_hook``, ``_save_to_state_dict`` overrides ...),
     and its full values. The units are gathered one at a time into CPU copies, then registered in the
     module tree in place of the shards while ``state_dict()`` runs, so every hook sees full tensors.
 
     Every rank must call it (it all-gathers); with ``rank0_only`` other ranks get ``{}`` and keep nothing.
+    Parameters named in ``skip`` are left out (a unit of them only is not even gathered).
     """
     keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
     runtime.sync_buffers()  # every rank's copy is rank 0's, as under DDP
     full: list[tuple[ParamSlot, Tensor]] = []
     for unit in runtime.units:
-        flat = gather_master(runtime, unit.storage)
+        storage = unit.storage
+        if all(slot.names[0] in skip for slot in storage.slots):  # stands in for them: shapes, no memory
+            full += [(slot, nn.Parameter(torch.empty(slot.shape, dtype=storage.master_dtype, device="meta"),
+                                         requires_grad=False)) for slot in storage.slots]
+            continue
+        flat = gather_master(runtime, storage)
         if keep:
             full += [(slot, nn.Parameter(flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
                                          .to("cpu", copy=True), requires_grad=shard.requires_grad))
-                     for slot, shard in zip(unit.storage.slots, unit.storage.shard_params)]
+                     for slot, shard in zip(storage.slots, storage.shard_params)]
         del flat
     if not keep:
         return {}
-    with _registered(full), runtime.plain_state_dict():
+    left_out = {name for slot, _ in full if slot.names[0] in skip for name in slot.names}
+    with registered(full), runtime.plain_state_dict():
         state = runtime.root.state_dict()
-    return {k: v.detach().cpu() if isinstance(v, Tensor) else v for k, v in state.items()}
+    return {k: v.detach().cpu() if isinstance(v, Tensor) else v for k, v in state.items() if k not in left_out}
 
 
 @contextmanager
-def _registered(full: list[tuple[ParamSlot, Tensor]]) -> Iterator[None]:
+def registered(full: list[tuple[ParamSlot, Tensor]]) -> Iterator[None]:
     """The module tree holds ``full``'s tensors where their slots live (ties included), then what it held."""
     held = [(module, attr, module._parameters[attr]) for slot, _ in full for module, attr in slot.locations]
     try:
@@ -73,9 +99,11 @@ def _registered(full: list[tuple[ParamSlot, Tensor]]) -> Iterator[None]:
             module._parameters[attr] = param
 
 
-def load_full_state_dict(runtime: ShardRuntime, state: Mapping[str, Tensor], strict: bool = True) -> None:
-    """Load an unsharded state dict: each rank copies only the slices its shards own."""
-    load_into(runtime, TensorSource(state), strict=strict)
+def load_full_state_dict(runtime: ShardRuntime, state: Mapping[str, Tensor], strict: bool = True,
+                         absent: AbstractSet[str] = frozenset()) -> None:
+    """Load an unsharded state dict: each rank copies only the slices its shards own. ``absent``: parameters it
+    was saved without on purpose (``save_frozen=False``), not missing."""
+    load_into(runtime, TensorSource(state), strict=strict, not_expected=absent.__contains__)
 
 
 def _param_index(runtime: ShardRuntime, optimizer: Optimizer) -> dict[int, tuple[int, int, int]]:

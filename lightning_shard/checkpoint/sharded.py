@@ -15,7 +15,7 @@ ranks loads on M ranks under another unit policy, each rank reading only the sli
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Set as AbstractSet
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Union
@@ -67,12 +67,15 @@ def _buffers(runtime: ShardRuntime) -> dict[str, Tensor]:
 
 
 # -- model ------------------------------------------------------------------------------------------
-def model_state(runtime: ShardRuntime) -> dict[str, Any]:
-    """This rank's part of the model state by parameter and buffer name, as DCP items (views, no copies)."""
+def model_state(runtime: ShardRuntime, skip: AbstractSet[str] = frozenset()) -> dict[str, Any]:
+    """This rank's part of the model state by parameter and buffer name, as DCP items (views, no copies); the
+    parameters named in ``skip`` left out."""
     runtime.sync_buffers()  # DCP writes a replicated item from any one rank: make them all rank 0's
     items: dict[str, Any] = {}
     with _quiet():
         for storage, slot, param in _slots(runtime):
+            if slot.names[0] in skip:
+                continue
             view = _view(runtime, storage, slot, param.detach())
             if view is not None:
                 items.update({name: view for name in slot.names})
@@ -86,9 +89,11 @@ def model_shapes(runtime: ShardRuntime) -> dict[str, torch.Size]:
     return shapes
 
 
-def check_model_matches(metadata: Metadata, runtime: ShardRuntime, where: Path, strict: bool) -> None:
+def check_model_matches(metadata: Metadata, runtime: ShardRuntime, where: Path, strict: bool,
+                        absent: AbstractSet[str] = frozenset()) -> None:
+    """``absent``: parameters the checkpoint was saved without on purpose (``save_frozen=False``)."""
     saved = {k[len(MODEL_PREFIX):]: md for k, md in metadata.state_dict_metadata.items() if k.startswith(MODEL_PREFIX)}
-    expected = model_shapes(runtime)
+    expected = {k: v for k, v in model_shapes(runtime).items() if k not in absent}
     wrong = [f"{name!r}: checkpoint {tuple(saved[name].size)}, model {tuple(shape)}"
              for name, shape in expected.items()
              if name in saved and isinstance(saved[name], TensorStorageMetadata) and saved[name].size != shape]
@@ -108,8 +113,9 @@ def _few(names: list[str], limit: int = 8) -> str:
 
 
 @torch.no_grad()
-def load_model_state(runtime: ShardRuntime, directory: Path, metadata: Metadata, strict: bool = True) -> None:
-    check_model_matches(metadata, runtime, directory, strict)
+def load_model_state(runtime: ShardRuntime, directory: Path, metadata: Metadata, strict: bool = True,
+                     absent: AbstractSet[str] = frozenset()) -> None:
+    check_model_matches(metadata, runtime, directory, strict, absent)
     items = {MODEL_PREFIX + k: v for k, v in model_state(runtime).items()}
     items = {k: v for k, v in items.items() if k in metadata.state_dict_metadata}
     _load(items, directory)

@@ -1,17 +1,9 @@
-"""Weight sources (a state dict, a torch file, a safetensors file) copied into a sharded model from a full state dict, a torch file or a safetensors file, each rank
-reading only the slices its shards own: no rank ever holds the whole model.
-
-A torch file is memory-mapped (pages are read as slices touch them); a safetensors file is read slice by
-slice (whole rows of a parameter, trimmed to the rank's range). Both are read with no unpickling of code.
-"""
+"""Weights copied into a sharded model from a source (``sources.py``: a state dict, a torch or safetensors
+file, an HF folder), each rank reading only the slices its shards own: no rank ever holds the whole model."""
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
-from pathlib import Path
-from typing import Any, Union
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor, nn
@@ -19,91 +11,17 @@ from torch.nn.modules.batchnorm import _NormBase
 from torch.nn.modules.instancenorm import _InstanceNorm
 from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX, _IncompatibleKeys
 
-from lightning_shard.checkpoint.files import CheckpointError, load_weights
+from lightning_shard.checkpoint.files import CheckpointError
 from lightning_shard.engine.hooks import ShardRuntime
 
 
-class TensorSource:
-    """Full tensors already at hand (possibly memory-mapped)."""
-
-    def __init__(self, state: Mapping[str, Tensor]) -> None:
-        self.state = state
-
-    def names(self) -> set[str]:
-        return set(self.state)
-
-    def shape(self, name: str) -> torch.Size:
-        return self.state[name].shape
-
-    def read(self, name: str, lo: int, hi: int) -> Tensor:
-        return self.state[name].reshape(-1)[lo:hi]
-
-    def whole(self, name: str) -> Tensor:
-        return self.state[name]
-
-    def value(self, name: str) -> Any:
-        """What the model's load hooks get under ``name``."""
-        return self.state[name]
-
-
-class SafetensorsSource:
-    """A safetensors file, read by slices of whole rows."""
-
-    def __init__(self, handle: Any) -> None:
-        self.handle = handle
-
-    def names(self) -> set[str]:
-        return set(self.handle.keys())
-
-    def shape(self, name: str) -> torch.Size:
-        return torch.Size(self.handle.get_slice(name).get_shape())
-
-    def read(self, name: str, lo: int, hi: int) -> Tensor:
-        shape = self.shape(name)
-        if len(shape) < 2 or lo >= hi:
-            return self.whole(name).reshape(-1)[lo:hi]
-        row = math.prod(shape[1:])
-        first, end = lo // row, -(-hi // row)
-        rows = self.handle.get_slice(name)[first:end]
-        return rows.reshape(-1)[lo - first * row : hi - first * row]
-
-    def whole(self, name: str) -> Tensor:
-        return self.handle.get_tensor(name)
-
-    def value(self, name: str) -> Tensor:
-        """What the model's load hooks get under ``name``: a meta tensor of its shape and dtype (read later)."""
-        dtype = _SAFETENSORS_DTYPES.get(self.handle.get_slice(name).get_dtype(), torch.float32)
-        return torch.empty(self.shape(name), dtype=dtype, device="meta")
-
-
-_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-                       "U8": torch.uint8, "BOOL": torch.bool}
-
-
-@contextmanager
-def open_weights(path: Union[str, Path]) -> Iterator[Union[TensorSource, SafetensorsSource]]:
-    """A ``.safetensors`` file, or a torch file holding a state dict (or a Lightning checkpoint's)."""
-    path = Path(path)
-    if path.suffix == ".safetensors":
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt", device="cpu") as handle:
-            yield SafetensorsSource(handle)
-        return
-    loaded = load_weights(path, "weights file", mmap=True)
-    if isinstance(loaded, Mapping) and isinstance(loaded.get("state_dict"), Mapping):
-        loaded = loaded["state_dict"]
-    if not isinstance(loaded, Mapping) or not all(isinstance(v, Tensor) for v in loaded.values()):
-        raise CheckpointError(f"{str(path)!r} does not hold a state dict of tensors.")
-    yield TensorSource(loaded)
-
-
 @torch.no_grad()
-def load_into(runtime: ShardRuntime, source: Union[TensorSource, SafetensorsSource], strict: bool = True,
-              prefix: str = "") -> tuple[list[str], list[str]]:
-    """Copy ``source`` into the sharded model; model name = ``prefix`` + source name. Returns (missing,
-    unexpected) like ``load_state_dict``; with ``strict`` either raises, as does any shape mismatch.
+def load_into(runtime: ShardRuntime, source: Any, strict: bool = True, prefix: str = "",
+              not_expected: Optional[Callable[[str], bool]] = None) -> tuple[list[str], list[str]]:
+    """Copy ``source`` (``sources.py``) into the sharded model; model name = ``prefix`` + source name. Returns
+    (missing, unexpected) like ``load_state_dict``; with ``strict`` either raises, as does any shape mismatch.
+    ``not_expected(name)``: a model name the source is not meant to hold, never missing (a peft model's
+    adapter weights, when loading its base model's folder).
 
     The names go through the model's load pre-hooks first, as in ``nn.Module.load_state_dict`` (see
     ``_KeyWalk``), so a state dict of the plain model loads whatever its hooks rename. Nothing is copied
@@ -115,6 +33,8 @@ def load_into(runtime: ShardRuntime, source: Union[TensorSource, SafetensorsSour
     walk = _KeyWalk(slots, source, prefix, strict)
     walk.load(runtime.root, walk.initial(), "")
     missing, unexpected = walk.incompatible()
+    if not_expected is not None:
+        missing = [name for name in missing if not not_expected(name)]
     if strict and (missing or unexpected):
         raise CheckpointError(f"The weights do not fit the model: missing {missing[:8]}{'...' if len(missing) > 8 else ''},"
                               f" unexpected {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}.")
@@ -150,13 +70,13 @@ class _KeyWalk:
     ``_load_from_state_dict`` is refused, naming it; one holding no sharded parameter runs its own.
     """
 
-    def __init__(self, slots: list, source: Union[TensorSource, SafetensorsSource], prefix: str, strict: bool) -> None:
+    def __init__(self, slots: list, source: Any, prefix: str, strict: bool) -> None:
         self.source, self.prefix, self.strict = source, prefix, strict  # the hooks get `strict` as load_state_dict's do
         self.slot_at = {(id(module), attr): i for i, (_, slot, _) in enumerate(slots)
                         for module, attr in slot.locations}
         self.slot_names = [slot.names for _, slot, _ in slots]
         self.shapes = [slot.shape for _, slot, _ in slots]
-        self.metadata = getattr(source.state, "_metadata", None) if isinstance(source, TensorSource) else None
+        self.metadata = source.metadata
         self.origin: dict[int, str] = {}  # id(value as given to the hooks) -> the source's name
         self.kept: list[Any] = []  # those values, alive so that their ids stay theirs
         self.made_by: dict[int, str] = {}  # id(a meta value a hook computed) -> the hook, named

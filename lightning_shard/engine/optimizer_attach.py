@@ -78,7 +78,7 @@ class OptimizerAttachment:
     def agree_on_groups(self, optimizer: Optimizer) -> None:
         """The ranks' param groups made the same (every rank must call it): checkpoints do, before they save
         or load what the groups hold."""
-        step = self.step_of(optimizer)
+        step = self.step_of(getattr(optimizer, "_optimizer", optimizer))  # a LightningOptimizer's own
         if step is not None:
             step.agree_on_groups()
 

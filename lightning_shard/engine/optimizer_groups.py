@@ -101,9 +101,15 @@ def merge_groups(views: list[list[GroupView]], optimizer_name: str) -> list[Grou
                                     " ranks. Build the optimizer, and add parameter groups, the same way on every rank.")
             if found:
                 k = found.pop()
-            elif position < len(merged) and rank not in merged[position].ranks and _same_options(merged[position], group):
-                k = position  # a group of this rank that lost its parameters, or one with none of the model's
-            else:  # a group no rank merged so far holds: added where this rank has it
+            elif (not group.names and position < len(merged) and not merged[position].names
+                  and rank not in merged[position].ranks and _same_options(merged[position], group)):
+                k = position  # groups holding none of the model's parameters: matched by place
+            elif position < len(merged) and rank not in merged[position].ranks:
+                raise GroupMismatch(f"lightning_shard: ranks' {optimizer_name} optimizers each lack a param group the"
+                                    f" others hold (rank {rank}'s group {i}, and group {position} of rank"
+                                    f" {merged[position].ranks[0]}), so their order cannot be told. Build the"
+                                    " optimizer, and add parameter groups, the same way on every rank.")
+            else:  # a group no rank merged so far holds, before the next one this rank holds
                 merged.insert(position, GroupView(dict(group.options), [], group.foreign))
                 k = position
             if k < position:

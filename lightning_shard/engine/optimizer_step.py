@@ -57,7 +57,11 @@ class ShardedStep:
         self._index = {key: i for i, key in enumerate(where)}
         self.names = {key: storage.slots[slot].names[0] for key, (_, storage, slot) in where.items()}
         self._shards = {storage.slots[slot].names[0]: storage.shard_params[slot] for _, storage, slot in where.values()}
+        # the gathered parameters a unit's modules hold mid-step (what a group added then holds), to their shards
+        self._shard_of = {id(storage.gathered_params[slot]): storage.shard_params[slot]
+                          for _, storage, slot in where.values()}
         self.groups_merged = 0  # how many times the ranks' param groups differed and were merged
+        self.on_merge: Optional[Callable[[], None]] = None  # told after each merge (the strategy's records)
         self._owners: dict[int, int] = {}  # id(shard parameter) -> the owner any plan gave it: its state is there
         if whole:  # its own ``step`` would step 1-D shards, or nothing: only this one may run
             optimizer.register_step_pre_hook(self._refuse_own_step)
@@ -77,11 +81,23 @@ class ShardedStep:
         return loss
 
     def agree_on_groups(self) -> None:
-        """Make the ranks' param groups the same (every rank must call it: the step and checkpoints do), merging
-        what sharding made differ (``optimizer_groups.py``); one tiny agreement when they are the same."""
+        """Make the ranks' param groups the same (every rank must call it: the step, clipping, the gradient
+        scaler and checkpoints do, before they read the groups), merging what sharding made differ
+        (``optimizer_groups.py``); one tiny agreement when they are the same. A gathered parameter a group was
+        given mid-step is replaced by its shard first."""
+        for group in self.optimizer.param_groups:
+            params = group["params"]
+            if any(id(p) in self._shard_of for p in params):
+                params[:] = [self._shard_of.get(id(p), p) for p in params]  # in place: the optimizer holds the list
         if self.groups.world_size > 1 and agree_on_groups(self.optimizer, self._index, self.names, self._shards,
                                                           self.groups.world, self.stats):
             self.groups_merged += 1
+            if self.on_merge is not None:
+                self.on_merge()
+
+    def shard_of(self, param: Tensor) -> Tensor:
+        """``param``'s shard parameter if it is a gathered one, else ``param``."""
+        return self._shard_of.get(id(param), param)
 
     def plan(self) -> StepPlan:
         """The plan for the optimizer's current parameters, planned again when its param groups change

@@ -9,7 +9,7 @@ import os
 import shlex
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -22,11 +22,13 @@ from lightning_shard.checkpoint.full import (
     load_full_optimizer_state_dict,
     load_full_state_dict,
 )
+from lightning_shard.checkpoint.export import save_pretrained
+from lightning_shard.checkpoint.export_checkpoint import RECORD, describe_pretrained
+from lightning_shard.checkpoint.fingerprint import check_fingerprints, fingerprints, frozen_names
 from lightning_shard.checkpoint.io import ShardedSource, open_checkpoint, save_full, save_sharded
 from lightning_shard.engine.hooks import ShardRuntime
 from lightning_shard.lightning.finetuning import readd_finetuning_groups
 
-RECORD = "lightning_shard"  # the checkpoint's key for what this strategy adds: {"trainable": [names]}
 
 
 class CheckpointState:
@@ -34,14 +36,22 @@ class CheckpointState:
 
     runtime: Optional[ShardRuntime]
     state_dict_type: str
+    save_frozen: bool
     _told_how_to_load = False
+
+    def _left_out(self) -> set[str]:
+        """The parameters a checkpoint leaves out: the frozen ones under ``save_frozen=False``."""
+        assert self.runtime is not None
+        return set() if self.save_frozen else frozen_names(self.runtime)
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """Sharded: this rank's shards (views, for DCP). Full: the unsharded state dict on rank 0 ({} elsewhere)."""
         assert self.runtime is not None
+        for optimizer in self.optimizers:  # the first thing a checkpoint asks: the groups agreed (and a fine-tuning
+            self.runtime.optimizers.agree_on_groups(optimizer)  # callback's record of them) before the rest is saved
         if self.state_dict_type == "sharded":
-            return sharded.model_state(self.runtime)
-        return full_state_dict(self.runtime, rank0_only=True)
+            return sharded.model_state(self.runtime, skip=self._left_out())
+        return full_state_dict(self.runtime, rank0_only=True, skip=self._left_out())
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         assert self.runtime is not None
@@ -56,7 +66,12 @@ class CheckpointState:
         half-way leaves the previous checkpoint intact, and a partial one never carries its name."""
         path = Path(self.broadcast(os.fspath(filepath)))
         assert self.runtime is not None
-        checkpoint[RECORD] = {"trainable": [name for name, p in self.runtime.root.named_parameters() if p.requires_grad]}
+        left_out = self._left_out()
+        checkpoint[RECORD] = {  # what a resume and `python -m lightning_shard.export` need beyond the tensors
+            "trainable": [name for name, p in self.runtime.root.named_parameters() if p.requires_grad],
+            "pretrained": describe_pretrained(self.runtime.root),
+            # the frozen parameters left out, each a fingerprint to check the base a resume starts from
+            "left_out": sorted(left_out), "fingerprints": fingerprints(self.runtime, left_out)}
         if self.state_dict_type == "sharded":
             if storage_options is not None:
                 raise TypeError("`storage_options` is not supported with state_dict_type='sharded'.")
@@ -72,18 +87,32 @@ class CheckpointState:
         elif self.is_global_zero:
             save_full(checkpoint, path, self.checkpoint_io, storage_options)
 
+    def save_pretrained(self, folder: Union[str, Path], **options: Any) -> Path:
+        """The trained model as a Hugging Face folder that ``from_pretrained`` loads (a peft model: its adapter,
+        or ``merged=True``); options as ``lightning_shard.checkpoint.export.save_pretrained``'s (``dtype``,
+        ``max_shard_size``, ``merged``, ``prefix``, ``adapter``). Every rank must call it; rank 0 writes."""
+        assert self.lightning_module is not None, "save_pretrained before the model is set up"
+        return save_pretrained(self.lightning_module, self.broadcast(os.fspath(folder)), **options)
+
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Either format, saved on any number of ranks; checked first, read with ``weights_only=True``."""
         path = Path(self.broadcast(os.fspath(checkpoint_path)))
         return open_checkpoint(path)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """What the checkpoint holds; the frozen parameters it left out (``save_frozen=False``) stay as loaded
+        before (the base, from ``load_pretrained``), checked against their fingerprints."""
         assert self.runtime is not None
+        record = checkpoint.get(RECORD, {})
+        left_out = set(record.get("left_out", ()))
         source = checkpoint["state_dict"]
         if isinstance(source, ShardedSource):
-            sharded.load_model_state(self.runtime, source.directory, source.metadata, strict=strict)
+            sharded.load_model_state(self.runtime, source.directory, source.metadata, strict=strict, absent=left_out)
         else:
-            load_full_state_dict(self.runtime, source, strict=strict)
+            load_full_state_dict(self.runtime, source, strict=strict, absent=left_out)
+        if record.get("fingerprints"):
+            where = source.directory if isinstance(source, ShardedSource) else "the checkpoint file"
+            check_fingerprints(self.runtime, record["fingerprints"], str(where))
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Resuming a fit: the parameters trainable when it was saved, the fine-tuning callbacks' param groups,

@@ -121,6 +121,7 @@ class ShardPrecision(Precision):
         if self.scaler is None:
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         closure_result = closure()
+        self._agree_on_groups(optimizer)  # unscaling reads the optimizer's parameters: the same on every rank
         self.scaler.unscale_(optimizer)
         self._after_closure(model, optimizer)
         if not model.automatic_optimization or closure_result is not None:
@@ -132,7 +133,18 @@ class ShardPrecision(Precision):
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
         # A local clip_grad_norm_ would see only this rank's shard: the norm must combine all of them.
         assert self.runtime is not None, "norm clipping before the model is sharded"
+        self._agree_on_groups(optimizer)
         self.runtime.clip_grad_norm_(list(self.main_params(optimizer)), float(clip_val))
+
+    def clip_grad_by_value(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+        self._agree_on_groups(optimizer)
+        super().clip_grad_by_value(optimizer, clip_val)
+
+    def _agree_on_groups(self, optimizer: Optimizer) -> None:
+        """Clipping and unscaling go over the optimizer's parameters, which a group added this step may have made
+        differ between ranks (``engine/optimizer_groups.py``): they agree first (every rank calls these)."""
+        if self.runtime is not None:
+            self.runtime.optimizers.agree_on_groups(getattr(optimizer, "_optimizer", optimizer))
 
     def state_dict(self) -> dict[str, Any]:
         return self.scaler.state_dict() if self.scaler is not None else {}

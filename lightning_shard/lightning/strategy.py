@@ -91,6 +91,9 @@ class ShardStrategy(ProcessGroupMixin, EvaluationHold, CheckpointState, Parallel
             directory with ``torch.distributed.checkpoint``; no rank ever holds the whole model) or ``"full"``
             (rank 0 writes one ordinary checkpoint file that loads into the plain LightningModule). Either
             kind loads on any number of ranks and under any unit policy; see ``lightning_shard.checkpoint.consolidate``.
+        save_frozen: ``False`` leaves frozen parameters out of checkpoints (a LoRA run's base: a checkpoint of the
+            adapter and its optimizer state), with a fingerprint of each; restoring needs the same base loaded
+            first (``load_pretrained``) and refuses another one, naming the parameters that differ.
         elementwise_optimizers: your own optimizer classes whose update of each element reads only that
             element's gradient and state: they step this rank's 1-D shards. ``torch.optim``'s elementwise ones
             are known already.
@@ -136,6 +139,7 @@ class ShardStrategy(ProcessGroupMixin, EvaluationHold, CheckpointState, Parallel
         mixed_precision: Optional[MixedPrecision] = None,
         nonfinite: Optional[str] = None,
         state_dict_type: str = "sharded",
+        save_frozen: bool = True,
         elementwise_optimizers: Sequence[type] = (),
         matrix_optimizers: Sequence[type] = (),
         step_group_size: int = DEFAULT_STEP_GROUP_NUMEL,
@@ -170,6 +174,7 @@ class ShardStrategy(ProcessGroupMixin, EvaluationHold, CheckpointState, Parallel
         self.mixed_precision = validate_mixed_precision(mixed_precision)
         self.nonfinite = check_nonfinite(nonfinite)
         self.state_dict_type = validate_state_dict_type(state_dict_type)
+        self.save_frozen = check_flag("save_frozen", save_frozen)
         self.elementwise_optimizers, self.matrix_optimizers = check_declared_optimizers(elementwise_optimizers,
                                                                                         matrix_optimizers)
         self.step_group_size = check_count("step_group_size", step_group_size, 1,
@@ -270,11 +275,13 @@ class ShardStrategy(ProcessGroupMixin, EvaluationHold, CheckpointState, Parallel
         self._reset_optimizers_and_schedulers()  # references to parameters of an earlier setup are stale
         with self.runtime.shaped_parameters():
             super().setup_optimizers(trainer)
-        for optimizer in self.optimizers:
+        for index, optimizer in enumerate(self.optimizers):
             optimizer = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
             if not isinstance(optimizer, _MockOptimizer):  # configure_optimizers returned None
                 kind = optimizer_kind(optimizer, self.elementwise_optimizers, self.matrix_optimizers)
-                self.runtime.attach_optimizer(optimizer, whole=kind == WHOLE, step_group_numel=self.step_group_size)
+                step = self.runtime.attach_optimizer(optimizer, whole=kind == WHOLE, step_group_numel=self.step_group_size)
+                # a fine-tuning callback's record of the groups follows when the ranks' groups are merged
+                step.on_merge = partial(record_merged_groups, trainer, index, optimizer, step.names)
 
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -325,12 +332,8 @@ class ShardStrategy(ProcessGroupMixin, EvaluationHold, CheckpointState, Parallel
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         assert self.runtime is not None
         inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        step = self.runtime.optimizers.step_of(inner)
-        merged = step.groups_merged if step is not None else 0
         with self.runtime.optimizers.stepping(inner):  # the step Lightning (or its gradient scaler) calls
             output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if step is not None and step.groups_merged != merged and self.lightning_module is not None:
-            record_merged_groups(self.lightning_module.trainer, self.optimizers.index(inner), inner, step.names)
         self.runtime.after_optimizer_step()
         self._log_comm_stats()
         return output

@@ -1,0 +1,213 @@
+"""A trained module, sharded or not, written as a Hugging Face folder that ``from_pretrained`` loads.
+
+* a transformers model (or any module): its weights in safetensors files of at most ``max_shard_size`` bytes
+  (``model.safetensors``, or numbered files and ``model.safetensors.index.json``) under the model's own names,
+  one name per tied weight, and its ``config.json`` (and ``generation_config.json``) when it has them;
+* a peft model: by default its adapter alone (``adapter_model.safetensors`` and ``adapter_config.json``, what
+  ``PeftModel.from_pretrained(base, folder)`` loads); ``merged=True`` writes the base model with the adapter
+  merged into its weights instead (LoRA's ``get_delta_weight``), a folder ``from_pretrained`` loads as the base.
+
+Every rank must call it on a sharded module: units are gathered one at a time (an adapter's weights alone, not
+the units around them), and rank 0 writes. No process holds more than a unit and one file's tensors, and never the
+optimizer state. The folder is written beside the target and renamed into place when complete.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_shard.checkpoint import files, hf
+from lightning_shard.checkpoint.full import gather_master, gather_slots, registered
+from lightning_shard.checkpoint.safetensors_writer import SafetensorsWriter, parse_size
+from lightning_shard.engine.flat_shard import ParamSlot
+
+
+def save_pretrained(module: nn.Module, folder: Union[str, Path], dtype: Optional[torch.dtype] = None,
+                    max_shard_size: Union[int, str] = "5GB", merged: bool = False, prefix: Optional[str] = None,
+                    adapter: Optional[str] = None) -> Path:
+    """Write ``module`` into ``folder`` (see the module's note). ``dtype``: the files' floating dtype (default: the
+    weights' own, fp32 masters under mixed precision). ``prefix``: where the model to export sits in ``module``
+    (default: the transformers or peft model found in it, else all of ``module``). ``adapter``: a peft model's
+    adapter to write (default: the active one)."""
+    limit = parse_size(max_shard_size)
+    if prefix is None:
+        prefix, model = hf.find_pretrained(module) or ("", module)
+    else:
+        model = module.get_submodule(prefix[:-1]) if prefix else module
+    if hf.is_peft_model(model):
+        adapter = adapter or model.active_adapter
+        if adapter not in hf.adapter_names(model):
+            raise ValueError(f"save_pretrained: the peft model has no adapter {adapter!r} (it has"
+                             f" {hf.adapter_names(model)}).")
+        hf.require("peft", "exporting a peft model")
+    elif merged:
+        raise ValueError("save_pretrained: `merged=True` merges a peft model's adapter; this model has none.")
+    folder = Path(folder)
+    runtime = getattr(module, "_shard_runtime", None)
+    if runtime is not None:
+        runtime.sync_buffers()  # rank 0's, as in checkpoints (every rank: a broadcast)
+    writing = not dist.is_initialized() or dist.get_rank() == 0
+    partial = files.begin(folder) if writing else None
+    try:
+        if hf.is_peft_model(model) and not merged:
+            _write_adapter(module, model, prefix, adapter, partial, dtype)
+        elif partial is None:
+            for _ in _units(module):  # the gathers the writing rank needs
+                pass
+        else:
+            writer = SafetensorsWriter(partial, limit)
+            for name, tensor in _Exporter(module, model, prefix, adapter if merged else None, dtype).tensors():
+                writer.add(name, tensor)
+            writer.close()
+            _write_configs(model.get_base_model() if merged else model, partial)
+    except BaseException:
+        if partial is not None:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise
+    if partial is not None:
+        files.commit(partial, folder)
+    if dist.is_initialized():
+        dist.barrier()  # the folder is complete for every rank once it returns
+    return folder
+
+
+def _units(module: nn.Module) -> Iterator[list[tuple[ParamSlot, Tensor]]]:
+    """Each unit's parameters with their full master values, gathered one unit at a time (every rank), or the
+    unsharded module's at once."""
+    runtime = getattr(module, "_shard_runtime", None)
+    if runtime is None:
+        by_id: dict[int, tuple[list[str], nn.Parameter]] = {}
+        for name, param in module.named_parameters(remove_duplicate=False):
+            by_id.setdefault(id(param), ([], param))[0].append(name)
+        yield [(ParamSlot(tuple(names), (), p.shape, 0, p.numel(), p.requires_grad), p.detach())
+               for names, p in by_id.values()]
+        return
+    for unit in runtime.units:
+        storage = unit.storage
+        flat = gather_master(runtime, storage)
+        yield [(slot, flat[slot.offset: slot.offset + slot.numel].view(slot.shape)) for slot in storage.slots]
+        del flat
+
+
+class _Exporter:
+    """The weights ``from_pretrained`` expects, named as the model names them, one name per tied weight; with a
+    peft ``adapter`` to merge, each wrapped layer's base weight once its adapter's weights have come too."""
+
+    def __init__(self, module: nn.Module, model: nn.Module, prefix: str, adapter: Optional[str],
+                 dtype: Optional[torch.dtype]) -> None:
+        self.module, self.model, self.prefix, self.adapter, self.dtype = module, model, prefix, adapter, dtype
+        self.tied = hf.tied_targets(model)
+        self.layers = _lora_layers(model, prefix, adapter) if adapter is not None else {}
+        self.held: dict[str, tuple[ParamSlot, Tensor]] = {}  # what a layer still waiting for its adapter needs
+
+    def tensors(self) -> Iterator[tuple[str, Tensor]]:
+        for unit in _units(self.module):
+            for slot, value in unit:
+                names = [n[len(self.prefix):] for n in slot.names if n.startswith(self.prefix)]
+                if not names:
+                    continue  # not the exported model's (a LightningModule's own head, say)
+                waiting = [n for n in names if n in self.layers.get("needs", {})]
+                if waiting:
+                    self.held[waiting[0]] = (slot, value.to("cpu", copy=True))
+                    yield from self._merge_ready()
+                    continue
+                name = self._file_name(names)
+                if name is not None:
+                    yield name, self._cast(value)
+        if self.layers.get("needs") and len(self.held) != 0:
+            raise RuntimeError(f"save_pretrained: merging stopped at {sorted(self.held)[:4]}: a LoRA layer's weights"
+                               " were not all found.")
+        yield from self._buffers()
+
+    def _file_name(self, names: list[str]) -> Optional[str]:
+        if self.adapter is not None:
+            if any(hf.is_adapter_weight(n, hf.adapter_names(self.model)) for n in names):
+                return None  # merged into its base weight, or another adapter's
+            names = [hf.base_name(n) for n in names]
+        untied = [n for n in names if n not in self.tied]
+        return (untied or names)[0]
+
+    def _merge_ready(self) -> Iterator[tuple[str, Tensor]]:
+        for path, (layer, needs) in list(self.layers["by_layer"].items()):
+            if all(n in self.held for n in needs):
+                values = [self.held.pop(n) for n in needs]
+                with registered([(slot, nn.Parameter(v, requires_grad=False)) for slot, v in values]):
+                    base = layer.get_base_layer().weight
+                    merged = base + layer.get_delta_weight(self.adapter).to(base.dtype)
+                del self.layers["by_layer"][path]
+                yield hf.base_name(f"{path}.base_layer.weight" if path else "base_layer.weight"), self._cast(merged)
+
+    def _buffers(self) -> Iterator[tuple[str, Tensor]]:
+        for owner, sub in self.model.named_modules():
+            for attr, buffer in sub._buffers.items():
+                if buffer is not None and attr not in sub._non_persistent_buffers_set:
+                    name = f"{owner}.{attr}" if owner else attr
+                    yield (hf.base_name(name) if self.adapter is not None else name), self._cast(buffer)
+
+    def _cast(self, value: Tensor) -> Tensor:
+        dtype = self.dtype if self.dtype is not None and value.is_floating_point() else value.dtype
+        return value.to("cpu", dtype=dtype, copy=True).contiguous()
+
+
+def _lora_layers(model: nn.Module, prefix: str, adapter: str) -> dict[str, Any]:
+    """The peft layers to merge: per layer (by its path in ``model``) the layer and the names (relative to
+    ``model``) of its base weight and of the adapter's weights; ``needs``: all those names."""
+    by_layer: dict[str, tuple[nn.Module, list[str]]] = {}
+    for path, layer in model.named_modules():
+        if not (hasattr(layer, "get_delta_weight") and hasattr(layer, "get_base_layer")):
+            continue
+        if getattr(layer, "use_dora", {}).get(adapter, False):
+            raise ValueError(f"save_pretrained: `merged=True` merges LoRA adapters; {path!r} uses DoRA. Merge with"
+                             " peft (`merge_and_unload`) in one process, or export the adapter alone.")
+        own = [f"{path}.{n}" if path else n for n, _ in layer.named_parameters()
+               if adapter in n.split(".") or n == "base_layer.weight"]
+        if len(own) > 1:
+            by_layer[path] = (layer, own)
+    return {"by_layer": by_layer, "needs": {n for _, own in by_layer.values() for n in own}}
+
+
+def _write_adapter(module: nn.Module, model: nn.Module, prefix: str, adapter: str, folder: Optional[Path],
+                   dtype: Optional[torch.dtype]) -> None:
+    """The adapter's weights (and what peft saves beside them: trainable biases, ``modules_to_save``), gathered
+    without the base weights around them, through peft's own ``get_peft_model_state_dict``."""
+    from peft import get_peft_model_state_dict
+
+    wanted = lambda name, trainable: trainable or hf.is_adapter_weight(name, [adapter])
+    runtime = getattr(module, "_shard_runtime", None)
+    if runtime is None:
+        state = {n: p.detach() for n, p in model.named_parameters() if wanted(n, p.requires_grad)}
+    else:
+        state = {}
+        for unit in runtime.units:
+            storage = unit.storage
+            chosen = [i for i, (slot, shard) in enumerate(zip(storage.slots, storage.shard_params))
+                      if any(n.startswith(prefix) and wanted(n[len(prefix):], shard.requires_grad) for n in slot.names)]
+            if chosen:
+                for i, value in zip(chosen, gather_slots(runtime, storage, chosen)):
+                    state.update({n[len(prefix):]: value for n in storage.slots[i].names if n.startswith(prefix)})
+    if folder is None:
+        return
+    adapter_state = get_peft_model_state_dict(model, state_dict=state, adapter_name=adapter,
+                                              save_embedding_layers=False)
+    writer = SafetensorsWriter(folder, 2**62, stem="adapter_model")
+    for name, value in adapter_state.items():
+        dtype_ = dtype if dtype is not None and value.is_floating_point() else value.dtype
+        writer.add(name, value.to("cpu", dtype=dtype_, copy=True).contiguous())
+    writer.close()
+    model.peft_config[adapter].save_pretrained(str(folder))
+
+
+def _write_configs(model: nn.Module, folder: Path) -> None:
+    config = getattr(model, "config", None)
+    if hf.is_transformers_model(model) and config is not None:
+        config.save_pretrained(str(folder))
+        generation = getattr(model, "generation_config", None)
+        if generation is not None and getattr(model, "can_generate", lambda: False)():
+            generation.save_pretrained(str(folder))

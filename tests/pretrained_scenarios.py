@@ -1,0 +1,199 @@
+"""Scenarios for test_pretrained.py (issue 32), run inside a gloo world: a Hugging Face folder in (several
+safetensors shards), a few sharded training steps, a folder out, loaded back with ``from_pretrained`` in one
+process and compared with the sharded model's own logits."""
+
+from __future__ import annotations
+
+import copy
+import os
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_shard.checkpoint.export import save_pretrained
+from lightning_shard.checkpoint.pretrained import load_pretrained
+from lightning_shard.engine.shard_module import shard_module
+
+VOCAB = 128
+
+
+def llama_config(tied: bool = True):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                       tie_word_embeddings=tied, attn_implementation="eager")
+
+
+def write_base(folder: str, tied: bool = True, seed: int = 0) -> None:
+    """A tiny Llama (GQA, tied embeddings) as ``save_pretrained`` writes it, in several safetensors shards."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        LlamaForCausalLM(llama_config(tied)).save_pretrained(folder, max_shard_size="20KB")
+
+
+def lora(model: nn.Module) -> nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+
+
+def _train(model: nn.Module, rank: int, world: int, steps: int = 3) -> None:
+    g = torch.Generator().manual_seed(5)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(steps):
+        ids = torch.randint(0, VOCAB, (2 * world, 12), generator=g).chunk(world)[rank]
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def _logits(model: nn.Module) -> torch.Tensor:
+    ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        return model(input_ids=ids, use_cache=False).logits
+
+
+def round_trip(rank: int, world: int, base: str, out: str) -> dict:
+    """Full fine-tuning and LoRA: load the base folder into a sharded model, train, export, reload in one process
+    (rank 0). Returns the largest logit differences and the files written."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    report: dict = {}
+    torch.manual_seed(100 + rank)  # other values than the folder's, and than the other ranks': loading must fill all
+    full = LlamaForCausalLM(llama_config())
+    shard_module(full)
+    assert load_pretrained(full, base) == ([], [])
+    loaded = _logits(full)  # a sharded forward: every rank
+    if rank == 0:
+        report["loaded"] = float((loaded - _logits(AutoModelForCausalLM.from_pretrained(base))).abs().max())
+    _train(full, rank, world)
+    save_pretrained(full, Path(out) / "full", max_shard_size="20KB")
+    trained = _logits(full)
+    if rank == 0:
+        report["full"] = float((_logits(AutoModelForCausalLM.from_pretrained(Path(out) / "full")) - trained).abs().max())
+        report["full_files"] = sorted(p.name for p in (Path(out) / "full").iterdir())
+
+    torch.manual_seed(200 + rank)
+    adapted = lora(LlamaForCausalLM(llama_config()))
+    shard_module(adapted)
+    assert load_pretrained(adapted, base) == ([], [])  # the base weights, under peft's names
+    _train(adapted, rank, world)
+    save_pretrained(adapted, Path(out) / "adapter")
+    save_pretrained(adapted, Path(out) / "merged", merged=True)
+    trained = _logits(adapted)
+    if rank == 0:
+        reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), Path(out) / "adapter")
+        report["adapter"] = float((_logits(reloaded) - trained).abs().max())
+        report["adapter_files"] = sorted(p.name for p in (Path(out) / "adapter").iterdir())
+        merged = AutoModelForCausalLM.from_pretrained(Path(out) / "merged")
+        report["merged"] = float((_logits(merged) - trained).abs().max())
+        plain = lora(AutoModelForCausalLM.from_pretrained(base))  # the adapter folder into an unsharded peft model
+        load_pretrained(plain, Path(out) / "adapter")
+        report["adapter_loaded"] = float((_logits(plain) - trained).abs().max())
+    torch.manual_seed(300 + rank)  # and back into a sharded one: the adapter folder, names mapped by peft's rules
+    again = lora(AutoModelForCausalLM.from_pretrained(base) if rank == 0 else LlamaForCausalLM(llama_config()))
+    shard_module(again)
+    load_pretrained(again, base)
+    assert load_pretrained(again, Path(out) / "adapter") == ([], [])
+    report["adapter_resharded"] = float((_logits(again) - trained).abs().max())
+    dist.barrier()
+    return report
+
+
+def wrong_folders(rank: int, world: int, base: str, adapter: str) -> list[str]:
+    """What a user gets for a folder that does not fit: the errors, one per case."""
+    from transformers import LlamaForCausalLM
+
+    errors = []
+    config = copy.deepcopy(llama_config())
+    config.num_hidden_layers = 1
+    for case in ("fewer layers", "adapter into a plain model", "no weights"):
+        model = LlamaForCausalLM(llama_config() if case != "fewer layers" else config)
+        shard_module(model)
+        path = {"fewer layers": base, "adapter into a plain model": adapter, "no weights": "/"}[case]
+        try:
+            load_pretrained(model, path)
+            errors.append(f"{case}: loaded")
+        except Exception as err:  # noqa: BLE001 - the message is what is tested
+            errors.append(f"{case}: {type(err).__name__}: {err}")
+    return errors
+
+
+# -- a LoRA run through Lightning: checkpoints of the adapter alone, resumed, refused on another base ------------
+def _lora_classes():
+    import lightning as L
+    from transformers import LlamaForCausalLM
+
+    class LoraModule(L.LightningModule):
+        def __init__(self, base: str, chunk: slice) -> None:
+            super().__init__()
+            torch.manual_seed(7)
+            self.model, self.base, self.chunk = lora(LlamaForCausalLM(llama_config())), base, chunk
+
+        def on_fit_start(self) -> None:
+            load_pretrained(self, self.base)  # the model is sharded by now; a checkpoint is restored after this
+
+        def training_step(self, batch, _):
+            ids = batch[self.chunk]
+            return self.model(input_ids=ids, labels=ids, use_cache=False).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
+
+    return L, LoraModule
+
+
+def lora_fit(rank: int, world: int, base: str, work: str, resume: bool) -> dict:
+    """4 epochs of LoRA under ShardStrategy(save_frozen=False), checkpointing every epoch and writing the adapter
+    at the end (SavePretrained); or (``resume``) the same run resumed from its epoch-1 checkpoint on this world.
+    Returns the trained adapter's weights and the sharded model's logits (rank 0)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_shard import SavePretrained, ShardStrategy
+    from lightning_shard.checkpoint.full import full_state_dict
+
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))
+    L, LoraModule = _lora_classes()
+    size = 6 // world
+    module = LoraModule(base, slice(rank * size, (rank + 1) * size))
+    g = torch.Generator().manual_seed(3)
+    data = torch.utils.data.DataLoader([torch.randint(0, VOCAB, (6, 12), generator=g) for _ in range(4)],
+                                       batch_size=None)
+    out = Path(work) / ("resumed" if resume else "first")
+    callbacks = [SavePretrained(out / "adapter"),
+                 ModelCheckpoint(out / "checkpoints", filename="{epoch}", save_top_k=-1, every_n_epochs=1)]
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=ShardStrategy(save_frozen=False), max_epochs=4,
+                        logger=False, callbacks=callbacks, use_distributed_sampler=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.fit(module, data, ckpt_path=str(Path(work) / "first" / "checkpoints" / "epoch=1.ckpt") if resume else None)
+    with trainer.strategy.keep_gathered():
+        logits = _logits(module.model)
+    full = full_state_dict(trainer.strategy.runtime, rank0_only=False)
+    return {"adapter": {k: v for k, v in full.items() if "lora_" in k}, "logits": logits,
+            "saved": sorted(p.name for p in (out / "checkpoints").iterdir())}
+
+
+def lora_resume_on_another_base(rank: int, world: int, other_base: str, work: str) -> str:
+    """The run's epoch-1 checkpoint restored onto another base model: refused, naming it. Returns the error."""
+    from lightning_shard import ShardStrategy
+
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))
+    L, LoraModule = _lora_classes()
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=ShardStrategy(save_frozen=False), max_epochs=4,
+                        logger=False, enable_checkpointing=False, use_distributed_sampler=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    data = torch.utils.data.DataLoader([torch.zeros(6, 12, dtype=torch.long)], batch_size=None)
+    try:
+        trainer.fit(LoraModule(other_base, slice(None)), data,
+                    ckpt_path=str(Path(work) / "first" / "checkpoints" / "epoch=1.ckpt"))
+    except Exception as err:  # noqa: BLE001 - the message is what is tested
+        return f"{type(err).__name__}: {err}"
+    return "resumed"

@@ -1,0 +1,109 @@
+"""Fine-tuning the way Hugging Face users work (issue 32): an HF folder in, a few sharded steps, a folder
+``from_pretrained`` loads out, for full fine-tuning and for peft LoRA; LoRA checkpoints that hold the adapter alone,
+resume exactly and refuse another base; the export command from a checkpoint on disk."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+from lightning_shard.checkpoint.sharded import read_metadata
+from tests import pretrained_scenarios as scenarios
+from tests.world import run_world
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("hf") / "base"
+    scenarios.write_base(str(folder))
+    assert len(list(folder.glob("model-*.safetensors"))) > 3  # an index and several shards, as big models come
+    return folder
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_an_hf_folder_in_sharded_training_and_folders_from_pretrained_loads_out(base, tmp_path, world):
+    report = run_world(scenarios.round_trip, world, str(base), str(tmp_path), timeout=500)[0]
+    # the loaded sharded model, the full export, the adapter export (PeftModel.from_pretrained), the adapter loaded
+    # back into unsharded and sharded peft models, the merged export: logits within 1e-6 of the sharded model's
+    for key in ("loaded", "full", "adapter", "adapter_loaded", "adapter_resharded", "merged"):
+        assert report[key] <= 1e-6, (key, report[key])
+    assert "model.safetensors.index.json" in report["full_files"] and "config.json" in report["full_files"]
+    assert report["adapter_files"] == ["adapter_config.json", "adapter_model.safetensors"]
+
+
+def test_folders_that_do_not_fit_are_named(base, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    scenarios.lora(AutoModelForCausalLM.from_pretrained(base)).save_pretrained(tmp_path / "adapter")
+    errors = run_world(scenarios.wrong_folders, 2, str(base), str(tmp_path / "adapter"), timeout=300)[0]
+    assert errors[0].startswith("fewer layers: CheckpointError: The weights do not fit the model") and \
+        "unexpected ['model.layers.1." in errors[0]
+    assert "is a peft adapter folder; it goes into a peft model" in errors[1]
+    assert "holds no weights: a Hugging Face model folder has one of" in errors[2]
+
+
+def test_a_lora_run_checkpoints_the_adapter_alone_resumes_exactly_and_refuses_another_base(base, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    first = run_world(scenarios.lora_fit, 2, str(base), str(tmp_path), False, timeout=500)[0]
+    checkpoint = tmp_path / "first" / "checkpoints" / "epoch=1.ckpt"
+    saved = [k for k in read_metadata(checkpoint).state_dict_metadata if k.startswith(("state_dict.", "optimizer_"))]
+    assert saved and all("lora_" in k for k in saved), saved  # the adapter and its optimizer state, no base
+    # resumed on 3 ranks from epoch 1: the same adapter as the run that never stopped
+    resumed = run_world(scenarios.lora_fit, 3, str(base), str(tmp_path), True, timeout=500)[0]
+    assert first["adapter"].keys() == resumed["adapter"].keys()
+    for name, value in first["adapter"].items():
+        torch.testing.assert_close(resumed["adapter"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+    # the folder SavePretrained wrote at the end of fit loads onto the base with peft, logits as the sharded model's
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), tmp_path / "first" / "adapter")
+    assert (scenarios._logits(reloaded) - first["logits"]).abs().max() <= 1e-6
+    # onto another base: refused on every rank, naming the cause
+    scenarios.write_base(str(tmp_path / "other"), seed=1)
+    errors = run_world(scenarios.lora_resume_on_another_base, 2, str(tmp_path / "other"), str(tmp_path), timeout=300)
+    assert all("was saved without its frozen parameters (ShardStrategy(save_frozen=False))" in e for e in errors), errors
+    # the export command: the last checkpoint's adapter, a folder peft loads (from the checkpoint's own record)
+    out = tmp_path / "exported"
+    done = subprocess.run([sys.executable, "-m", "lightning_shard.export",
+                           str(tmp_path / "first" / "checkpoints" / "epoch=3.ckpt"), str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exported = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), out)
+    assert (scenarios._logits(exported) - first["logits"]).abs().max() <= 1e-6
+
+
+def test_the_export_command_finds_the_model_in_another_strategys_checkpoint(base, tmp_path):
+    """A plain Lightning checkpoint file (keys under ``model.``, tied head included), exported with --model-config:
+    the prefix found, the tied copy left out, config.json written, files of at most --max-shard-size."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base)
+    torch.save({"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}, "epoch": 3},
+               tmp_path / "plain.ckpt")
+    out = tmp_path / "exported"
+    done = subprocess.run([sys.executable, "-m", "lightning_shard.export", str(tmp_path / "plain.ckpt"), str(out),
+                           "--model-config", str(base / "config.json"), "--max-shard-size", "30KB",
+                           "--dtype", "bfloat16"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert "lm_head.weight" not in index["weight_map"] and "model.embed_tokens.weight" in index["weight_map"]
+    assert all(p.stat().st_size <= 30_000 + 2_000 for p in out.glob("model-*.safetensors"))  # and the header
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    expected = {k: v.to(torch.bfloat16).float() for k, v in model.state_dict().items()}
+    assert all(torch.equal(v, expected[k]) for k, v in reloaded.state_dict().items())
+    bad = subprocess.run([sys.executable, "-m", "lightning_shard.export", str(tmp_path / "plain.ckpt"), str(out),
+                          "--max-shard-size", "lots"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "`max_shard_size` must be a number of bytes or a size" in bad.stderr
