@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_shard.checkpoint.export import save_pretrained
+from lightning_shard.checkpoint.full import full_state_dict
 from lightning_shard.checkpoint.pretrained import load_pretrained
 from lightning_shard.engine.shard_module import shard_module
 
@@ -135,11 +136,17 @@ def _lora_classes():
     class LoraModule(L.LightningModule):
         def __init__(self, base: str, chunk: slice) -> None:
             super().__init__()
-            torch.manual_seed(7)
-            self.model, self.base, self.chunk = lora(LlamaForCausalLM(llama_config())), base, chunk
+            self.model, self.base, self.chunk = None, base, chunk
+
+        def configure_model(self) -> None:  # on the meta device under ShardStrategy: no rank holds the model
+            if self.model is None:
+                torch.manual_seed(7)
+                self.model = lora(LlamaForCausalLM(llama_config()))
 
         def on_fit_start(self) -> None:
             load_pretrained(self, self.base)  # the model is sharded by now; a checkpoint is restored after this
+            full = full_state_dict(self.trainer.strategy.runtime, rank0_only=False)
+            self.start_b = max(float(v.abs().max()) for k, v in full.items() if "lora_B" in k)  # peft's init: 0
 
         def training_step(self, batch, _):
             ids = batch[self.chunk]
@@ -158,7 +165,6 @@ def lora_fit(rank: int, world: int, base: str, work: str, resume: bool) -> dict:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from lightning_shard import SavePretrained, ShardStrategy
-    from lightning_shard.checkpoint.full import full_state_dict
 
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))
     L, LoraModule = _lora_classes()
@@ -178,7 +184,7 @@ def lora_fit(rank: int, world: int, base: str, work: str, resume: bool) -> dict:
         logits = _logits(module.model)
     full = full_state_dict(trainer.strategy.runtime, rank0_only=False)
     return {"adapter": {k: v for k, v in full.items() if "lora_" in k}, "logits": logits,
-            "saved": sorted(p.name for p in (out / "checkpoints").iterdir())}
+            "saved": sorted(p.name for p in (out / "checkpoints").iterdir()), "start_b": module.start_b}
 
 
 def lora_resume_on_another_base(rank: int, world: int, other_base: str, work: str) -> str:
@@ -197,3 +203,50 @@ def lora_resume_on_another_base(rank: int, world: int, other_base: str, work: st
     except Exception as err:  # noqa: BLE001 - the message is what is tested
         return f"{type(err).__name__}: {err}"
     return "resumed"
+
+
+# -- figures for the README: `python -m tests.pretrained_scenarios` ---------------------------------------------
+def checkpoint_sizes(rank: int, world: int, work: str) -> dict:
+    """A LoRA model (Llama, 24.6M base parameters, r=8 on q and v) after one AdamW step, checkpointed sharded
+    with its frozen base and without it: the bytes each checkpoint holds."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lightning_shard.checkpoint import sharded
+    from lightning_shard.checkpoint.fingerprint import frozen_names
+    from lightning_shard.checkpoint.io import save_sharded
+
+    config = LlamaConfig(vocab_size=8000, hidden_size=512, intermediate_size=1376, num_hidden_layers=6,
+                         num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
+    runtime = shard_module(model)
+    with runtime.shaped_parameters():
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    runtime.attach_optimizer(opt)
+    ids = torch.randint(0, 8000, (1, 32))
+    model(input_ids=ids, labels=ids).loss.backward()
+    runtime.step(opt)
+    sizes = {}
+    for kind, skip in (("with the base", set()), ("save_frozen=False", frozen_names(runtime))):
+        path = Path(work) / kind
+        save_sharded({"state_dict": sharded.model_state(runtime, skip=skip),
+                      "optimizer_states": [sharded.optimizer_state(runtime, opt)]}, path)
+        sizes[kind] = sum(p.stat().st_size for p in path.iterdir())
+    slots = [slot for unit in runtime.units for slot in unit.storage.slots]
+    counts = {"base": sum(s.numel for s in slots if "lora_" not in s.names[0]),
+              "adapter": sum(s.numel for s in slots if "lora_" in s.names[0])}
+    return {**sizes, **counts}
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    from tests.world import run_world
+
+    with tempfile.TemporaryDirectory() as directory:
+        sizes = run_world(checkpoint_sizes, 2, directory, timeout=600)[0]
+    print(f"LoRA on Llama: base {sizes['base'] / 1e6:.1f}M parameters, adapter"
+          f" {sizes['adapter'] / 1e6:.2f}M; sharded checkpoint with the base {sizes['with the base'] / 1e6:.1f} MB,"
+          f" with save_frozen=False {sizes['save_frozen=False'] / 1e6:.2f} MB")

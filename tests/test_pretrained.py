@@ -56,6 +56,7 @@ def test_a_lora_run_checkpoints_the_adapter_alone_resumes_exactly_and_refuses_an
     from transformers import AutoModelForCausalLM
 
     first = run_world(scenarios.lora_fit, 2, str(base), str(tmp_path), False, timeout=500)[0]
+    assert first["start_b"] == 0  # built on the meta device, the adapter starts as peft starts it: B = 0
     checkpoint = tmp_path / "first" / "checkpoints" / "epoch=1.ckpt"
     saved = [k for k in read_metadata(checkpoint).state_dict_metadata if k.startswith(("state_dict.", "optimizer_"))]
     assert saved and all("lora_" in k for k in saved), saved  # the adapter and its optimizer state, no base

@@ -82,3 +82,48 @@ def tied_targets(model: nn.Module) -> set[str]:
     the input embedding)."""
     tied = getattr(model, "_tied_weights_keys", None)  # a dict target -> source (>= 5), a list of targets before
     return set(tied) if isinstance(tied, (dict, list, tuple)) else set()
+
+
+def init_peft_adapters(runtime: Any) -> list[str]:
+    """peft's own init for the adapters of a peft model built on the meta device (LoRA's ``B`` at zero, so that the
+    adapted model starts as its base), which materialising gave their modules' generic init instead; the names of
+    the weights set. Every rank must call it (rank 0's values are broadcast). Inits that read the base weights
+    (PiSSA, OLoRA, LoftQ, ...) are refused: load the adapter instead."""
+    import torch
+
+    from lightning_shard.checkpoint.full import registered
+    from lightning_shard.checkpoint.sources import TensorSource
+    from lightning_shard.checkpoint.weights import load_into
+    from lightning_shard.engine import collectives
+
+    found = find_pretrained(runtime.root)
+    if found is None or not is_peft_model(found[1]):
+        return []
+    prefix, model = found
+    slots = {name: slot for unit in runtime.units for slot in unit.storage.slots for name in slot.names}
+    values: dict[str, Any] = {}
+    for path, layer in model.named_modules():
+        if not hasattr(layer, "reset_lora_parameters"):
+            continue
+        for adapter in adapter_names(model):
+            init = model.peft_config[adapter].init_lora_weights
+            if init not in (True, False, "gaussian"):
+                raise ValueError(f"lightning_shard: a peft model built on the meta device gets peft's init for its"
+                                 f" adapters at setup; init_lora_weights={init!r} reads the base weights, which"
+                                 " are not loaded yet. Load the adapter (load_pretrained of an adapter folder) or"
+                                 " use init_lora_weights=True.")
+            names = [n for n, _ in layer.named_parameters() if adapter in n.split(".")]
+            full = {n: torch.zeros(slots[f"{prefix}{path}.{n}"].shape) for n in names}
+            with registered([(slots[f"{prefix}{path}.{n}"], nn.Parameter(v)) for n, v in full.items()]):
+                layer.reset_lora_parameters(adapter, init)
+            values.update({f"{prefix}{path}.{n}": v for n, v in full.items()})
+    if not values:
+        return []
+    device = runtime.units[0].storage.shard.device
+    flat = torch.cat([v.reshape(-1) for v in values.values()]).to(device)
+    if runtime.world_size > 1:  # the random draws of rank 0, on every rank
+        flat = collectives.broadcast(flat, runtime.group, runtime.stats, label="broadcast of the adapters' init")
+    flat = flat.cpu().split([v.numel() for v in values.values()])
+    values = {name: piece.view(v.shape) for (name, v), piece in zip(values.items(), flat)}
+    load_into(runtime, TensorSource(values), strict=False, not_expected=lambda n: n not in values)
+    return sorted(values)

@@ -1,19 +1,22 @@
 """An optimizer's parameter groups, the same on every rank.
 
 Between steps an optimizer holds this rank's 1-D shards, so code that compares parameters by value compares
-shards: Lightning's ``BaseFinetuning.filter_on_optimizer`` drops a parameter that ``torch.equal``s one the
-optimizer already holds, and every empty shard equals every other one (as a shard of zeros equals any other
-of its length). Ranks running the same code can then build different groups, and a rank that steps a
+shards: a shard of zeros equals any other of its length, and every empty shard equals every other one. A
+callback that leaves out the parameters "already in the optimizer" by value (as Lightning's
+``BaseFinetuning.filter_on_optimizer`` does; under ShardStrategy that one compares identities, see
+``lightning/finetuning.py``) can then build different groups on different ranks, and a rank that steps a
 parameter the others do not (or owns one they never send) trains something else, silently.
 
-So each optimizer step begins with one tiny agreement on what the optimizers hold: per group, its parameters
-by name and its options. When the ranks differ, they exchange their groups and every rank takes the union:
+So whatever reads an optimizer's groups across ranks (its step, clipping, the gradient scaler, checkpoints) first
+agrees on them: one tiny all-reduce of a fingerprint (per group, its parameters by name and its options). When
+the ranks differ, they exchange their groups and every rank takes the union:
 
 * a parameter that some ranks hold in a group and another rank holds in none is added to that rank's group,
   when that rank's shard of it equals (``torch.equal``) a tensor its optimizer holds: what a value comparison
   drops; a group that such a rank lacks altogether is added with the options the other ranks gave it;
 * anything else is a real difference, an error on every rank naming the parameter and the rank: a parameter
-  one rank added whose shard equals nothing there, a parameter in different groups, different options.
+  one rank added whose shard equals nothing there, a parameter in different groups, different options, groups
+  whose order cannot be told.
 """
 
 from __future__ import annotations

@@ -44,6 +44,15 @@ class CheckpointState:
         assert self.runtime is not None
         return set() if self.save_frozen else frozen_names(self.runtime)
 
+    def _record(self) -> dict[str, Any]:
+        """What a resume and ``python -m lightning_shard.export`` need beyond the tensors (every rank calls it)."""
+        assert self.runtime is not None
+        left_out = self._left_out()
+        return {"trainable": [name for name, p in self.runtime.root.named_parameters() if p.requires_grad],
+                "pretrained": describe_pretrained(self.runtime.root),
+                # the frozen parameters left out, each a fingerprint to check the base a resume starts from
+                "left_out": sorted(left_out), "fingerprints": fingerprints(self.runtime, left_out)}
+
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """Sharded: this rank's shards (views, for DCP). Full: the unsharded state dict on rank 0 ({} elsewhere)."""
         assert self.runtime is not None
@@ -65,13 +74,8 @@ class CheckpointState:
         """Written beside the target and moved into place when complete: a save that fails or is killed
         half-way leaves the previous checkpoint intact, and a partial one never carries its name."""
         path = Path(self.broadcast(os.fspath(filepath)))
-        assert self.runtime is not None
-        left_out = self._left_out()
-        checkpoint[RECORD] = {  # what a resume and `python -m lightning_shard.export` need beyond the tensors
-            "trainable": [name for name, p in self.runtime.root.named_parameters() if p.requires_grad],
-            "pretrained": describe_pretrained(self.runtime.root),
-            # the frozen parameters left out, each a fingerprint to check the base a resume starts from
-            "left_out": sorted(left_out), "fingerprints": fingerprints(self.runtime, left_out)}
+        if self.runtime is not None:
+            checkpoint[RECORD] = self._record()
         if self.state_dict_type == "sharded":
             if storage_options is not None:
                 raise TypeError("`storage_options` is not supported with state_dict_type='sharded'.")

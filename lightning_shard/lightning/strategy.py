@@ -22,6 +22,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_debug, rank_zero_inf
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_shard.checkpoint.hf import init_peft_adapters
 from lightning_shard.checkpoint.io import validate_state_dict_type
 from lightning_shard.engine.activation_checkpointing import CheckpointSpec, validate_activation_checkpointing
 from lightning_shard.engine.compile import refuse_with_elision, validate_compile
@@ -240,6 +241,7 @@ class ShardStrategy(ProcessGroupMixin, EvaluationHold, CheckpointState, Parallel
             self.model = self.precision_plugin.convert_module(self.model)
             self.model_to_device()
             policy = self.mixed_precision or self.precision_plugin.policy
+            from_meta = any(p.is_meta for p in self.model.parameters())
             self.runtime = shard_module(
                 self.model, sharding=self.sharding, units=self.units, unit_size=self.unit_size,
                 min_unit_size=self.min_unit_size, prefetch=self.prefetch,
@@ -250,6 +252,8 @@ class ShardStrategy(ProcessGroupMixin, EvaluationHold, CheckpointState, Parallel
                 compile=False if self.compile is None else self.compile,
                 shard_size=(self.shard_size or self.num_processes) if self.sharding == "hybrid" else None,
             )
+            if from_meta and init_peft_adapters(self.runtime):  # not the generic init materialising gave them
+                rank_zero_info("lightning_shard: the peft adapters built on the meta device got peft's own init.")
             rank_zero_info(plan_summary(self.runtime, self.sharding, self.world_size))
             rank_zero_debug("lightning_shard units:\n" + plan_listing(self.runtime))
         self.runtime.apply_checks = [partial(refuse_other_strategies, self.model, ShardStrategy)]
