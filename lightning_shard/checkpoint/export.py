@@ -17,15 +17,16 @@ from __future__ import annotations
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_shard.checkpoint import files, hf
-from lightning_shard.checkpoint.full import gather_master, gather_slots, registered
+from lightning_shard.checkpoint.full import gather_slots, registered
 from lightning_shard.checkpoint.safetensors_writer import SafetensorsWriter, parse_size
+from lightning_shard.engine import collectives
 from lightning_shard.engine.flat_shard import ParamSlot
 
 
@@ -59,12 +60,14 @@ def save_pretrained(module: nn.Module, folder: Union[str, Path], dtype: Optional
         if hf.is_peft_model(model) and not merged:
             _write_adapter(module, model, prefix, adapter, partial, dtype)
         elif partial is None:
-            for _ in _units(module):  # the gathers the writing rank needs
+            for _ in _parameters(module):  # the pieces the writing rank needs
                 pass
         else:
             writer = SafetensorsWriter(partial, limit)
-            for name, tensor in _Exporter(module, model, prefix, adapter if merged else None, dtype).tensors():
+            for name, tensor in _Exporter(module, model, prefix, adapter if merged else None, dtype,
+                                          writer.make_room).tensors():
                 writer.add(name, tensor)
+                del tensor  # the writer's alone: written out, it is freed before the next one is gathered
             writer.close()
             _write_configs(model.get_base_model() if merged else model, partial)
     except BaseException:
@@ -78,22 +81,38 @@ def save_pretrained(module: nn.Module, folder: Union[str, Path], dtype: Optional
     return folder
 
 
-def _units(module: nn.Module) -> Iterator[list[tuple[ParamSlot, Tensor]]]:
-    """Each unit's parameters with their full master values, gathered one unit at a time (every rank), or the
-    unsharded module's at once."""
+def _parameters(module: nn.Module, before: Callable[[int], None] = lambda nbytes: None
+                ) -> Iterator[tuple[ParamSlot, Optional[Tensor]]]:
+    """Each parameter with its full master value (rank 0; None elsewhere), one at a time: a sharded module's
+    pieces sent to rank 0 straight into the tensor that holds it (``before(bytes)`` is told its size first), an
+    unsharded module's as they are. Every rank must iterate (ranks of other replicas have nothing to send)."""
     runtime = getattr(module, "_shard_runtime", None)
     if runtime is None:
         by_id: dict[int, tuple[list[str], nn.Parameter]] = {}
         for name, param in module.named_parameters(remove_duplicate=False):
             by_id.setdefault(id(param), ([], param))[0].append(name)
-        yield [(ParamSlot(tuple(names), (), p.shape, 0, p.numel(), p.requires_grad), p.detach())
-               for names, p in by_id.values()]
+        for names, p in by_id.values():
+            yield ParamSlot(tuple(names), (), p.shape, 0, p.numel(), p.requires_grad), p.detach()
         return
+    writing = not dist.is_initialized() or dist.get_rank() == 0
+    if 0 not in runtime.shard_group_ranks:
+        return  # another replica's ranks: rank 0's shard group sends everything
     for unit in runtime.units:
         storage = unit.storage
-        flat = gather_master(runtime, storage)
-        yield [(slot, flat[slot.offset: slot.offset + slot.numel].view(slot.shape)) for slot in storage.slots]
-        del flat
+        for slot, shard in zip(storage.slots, storage.shard_params):
+            full = None
+            if writing:
+                before(slot.numel * shard.element_size())
+                full = torch.empty(slot.shape, dtype=storage.master_dtype, device=storage.shard.device)
+            if storage.world_size == 1:
+                if full is not None:
+                    full.view(-1).copy_(shard.detach())
+            else:
+                bounds = [storage.param_range(slot, r) for r in range(storage.world_size)]
+                collectives.gather_pieces(full.view(-1) if full is not None else None, shard.detach(), bounds,
+                                          runtime.groups.shard, runtime.stats,
+                                          label=f"gather of {slot.names[0]!r} for save_pretrained")
+            yield slot, (full.cpu() if full is not None else None)
 
 
 class _Exporter:
@@ -101,26 +120,27 @@ class _Exporter:
     peft ``adapter`` to merge, each wrapped layer's base weight once its adapter's weights have come too."""
 
     def __init__(self, module: nn.Module, model: nn.Module, prefix: str, adapter: Optional[str],
-                 dtype: Optional[torch.dtype]) -> None:
+                 dtype: Optional[torch.dtype], make_room: Callable[[int], None]) -> None:
         self.module, self.model, self.prefix, self.adapter, self.dtype = module, model, prefix, adapter, dtype
+        self.make_room = make_room  # the writer's: a unit is gathered once the file before it is out
         self.tied = hf.tied_targets(model)
         self.layers = _lora_layers(model, prefix, adapter) if adapter is not None else {}
         self.held: dict[str, tuple[ParamSlot, Tensor]] = {}  # what a layer still waiting for its adapter needs
 
     def tensors(self) -> Iterator[tuple[str, Tensor]]:
-        for unit in _units(self.module):
-            for slot, value in unit:
-                names = [n[len(self.prefix):] for n in slot.names if n.startswith(self.prefix)]
-                if not names:
-                    continue  # not the exported model's (a LightningModule's own head, say)
-                waiting = [n for n in names if n in self.layers.get("needs", {})]
-                if waiting:
-                    self.held[waiting[0]] = (slot, value.to("cpu", copy=True))
-                    yield from self._merge_ready()
-                    continue
-                name = self._file_name(names)
-                if name is not None:
-                    yield name, self._cast(value)
+        for slot, value in _parameters(self.module, self.make_room):
+            names = [n[len(self.prefix):] for n in slot.names if n.startswith(self.prefix)]
+            if not names:
+                continue  # not the exported model's (a LightningModule's own head, say)
+            waiting = [n for n in names if n in self.layers.get("needs", {})]
+            if waiting:
+                self.held[waiting[0]] = (slot, value)
+                yield from self._merge_ready()
+                continue
+            name = self._file_name(names)
+            if name is not None:
+                yield name, self._cast(value)
+            del value  # before the next one is gathered
         if self.layers.get("needs") and len(self.held) != 0:
             raise RuntimeError(f"save_pretrained: merging stopped at {sorted(self.held)[:4]}: a LoRA layer's weights"
                                " were not all found.")
@@ -152,7 +172,11 @@ class _Exporter:
                     yield (hf.base_name(name) if self.adapter is not None else name), self._cast(buffer)
 
     def _cast(self, value: Tensor) -> Tensor:
+        """On the CPU in the files' dtype, in a storage of its own (safetensors refuses tensors sharing one)."""
         dtype = self.dtype if self.dtype is not None and value.is_floating_point() else value.dtype
+        if value.device.type == "cpu" and value.dtype == dtype and value.is_contiguous() \
+                and value.untyped_storage().nbytes() == value.numel() * value.element_size():
+            return value  # fresh from _parameters: no second copy
         return value.to("cpu", dtype=dtype, copy=True).contiguous()
 
 

@@ -53,10 +53,14 @@ def export_checkpoint(checkpoint: Union[str, Path], out: Union[str, Path], model
     try:
         writer = SafetensorsWriter(partial, 2**62 if peft is not None else limit,
                                    stem="adapter_model" if peft is not None else "model")
-        for batch in _batches(chosen, limit, names):
-            for name, value in read(batch).items():
-                cast = dtype if dtype is not None and value.is_floating_point() else value.dtype
-                writer.add(chosen[name], value.to(cast).contiguous())
+        for batch in _batches(chosen, limit, names):  # a file's worth, read once the last file is out
+            writer.make_room(sum(names[n] for n in batch))
+            tensors = read(batch)
+            for name in batch:  # handed over one by one: nothing here keeps one alive once written
+                value = tensors.pop(name)
+                writer.add(chosen[name], value.to(dtype if dtype is not None and value.is_floating_point()
+                                                  else value.dtype).contiguous())
+            del tensors, value
         writer.close()
         for file_name, text in _configs(described).items():
             (partial / file_name).write_text(text)

@@ -5,6 +5,7 @@ the file being filled are held."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import re
 from pathlib import Path
@@ -37,10 +38,15 @@ class SafetensorsWriter:
         self.total_bytes = 0
         self.peak_pending_bytes = 0
 
+    def make_room(self, nbytes: int) -> None:
+        """Write the pending tensors out now if ``nbytes`` more would not fit in the file: a caller about to bring
+        that much into memory holds the file's tensors or those bytes, not both."""
+        if self.pending and self.pending_bytes + nbytes > self.limit:
+            self._flush()
+
     def add(self, name: str, tensor: Tensor) -> None:
         size = tensor.numel() * tensor.element_size()
-        if self.pending and self.pending_bytes + size > self.limit:
-            self._flush()
+        self.make_room(size)
         self.pending[name] = tensor
         self.pending_bytes += size
         self.total_bytes += size
@@ -53,6 +59,8 @@ class SafetensorsWriter:
         save_file(self.pending, str(self.folder / name), metadata={"format": "pt"})  # transformers checks "format"
         self.files.append((name, list(self.pending)))
         self.pending, self.pending_bytes = {}, 0
+        _return_freed_memory()
+
 
     def close(self) -> list[str]:
         """Write what is left; return the files' final names."""
@@ -70,3 +78,12 @@ class SafetensorsWriter:
         index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
         (self.folder / f"{self.stem}.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
         return final
+
+
+def _return_freed_memory() -> None:
+    """glibc keeps freed blocks below its (growing) mmap threshold for reuse, so a process that wrote one file's
+    tensors would hold that much more for good: hand them back (a no-op elsewhere)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

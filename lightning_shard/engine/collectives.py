@@ -152,6 +152,25 @@ def all_to_all(output: Tensor, flat: Tensor, output_splits: list[int], input_spl
     return _run(launch, output, stats, async_op, (flat,), label)
 
 
+def gather_pieces(out: Optional[Tensor], piece: Tensor, bounds: list[tuple[int, int]], group, stats: CommStats,
+                  label: str = "gather of pieces") -> None:
+    """The group's first rank receives every rank's ``piece`` into ``out[bounds[rank]]`` (a flat tensor), point to
+    point: it needs no staging buffer beyond ``out``. The others send theirs (``out`` is theirs to ignore)."""
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    stats.collectives += 1
+    with _naming_failures(label, time.perf_counter()):
+        if dist.get_rank(group) == 0:
+            assert out is not None
+            lo, hi = bounds[0]
+            out[lo:hi].copy_(piece)
+            works = [dist.irecv(out[lo:hi], src=ranks[r], group=group) for r, (lo, hi) in enumerate(bounds)
+                     if r and hi > lo]
+            for work in works:
+                work.wait()
+        elif piece.numel():
+            dist.isend(piece.contiguous(), dst=ranks[0], group=group).wait()
+
+
 def broadcast(flat: Tensor, group, stats: CommStats, label: str = "broadcast") -> Tensor:
     """Rank 0's ``flat`` on every rank, in place."""
     stats.broadcast_bytes += flat.numel() * flat.element_size()

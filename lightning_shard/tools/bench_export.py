@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from lightning_shard.app.cli import ArgumentParser, at_least
 from lightning_shard.app.models.gpt import GPT
-from lightning_shard.checkpoint.safetensors_writer import parse_size
+from lightning_shard.checkpoint.safetensors_writer import _return_freed_memory, parse_size
 from lightning_shard.tools import free_port
 
 MB = 10**6
@@ -41,7 +41,10 @@ def _rss() -> int:
 
 
 def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:  # "5": the high-water mark starts again from here
+    """Memory freed earlier (training) handed back first, so that the export cannot hide in it; then the high-water
+    mark starts again from here."""
+    _return_freed_memory()
+    with open("/proc/self/clear_refs", "w") as f:  # "5": reset the high-water mark
         f.write("5")
 
 
@@ -73,8 +76,8 @@ def _rank_main(rank: int, world: int, args, port: int, work: str) -> None:
                   "optimizer_states": [sharded.optimizer_state(runtime, optimizer)]}, Path(work) / "checkpoint")
     optimizer.zero_grad()
     dist.barrier()
-    before = _rss()
     _reset_peak()
+    before = _rss()
     save_pretrained(model, Path(work) / "live", max_shard_size=args.max_shard_size)
     if rank == 0:
         units = [u.storage.padded_numel * u.storage.shard.element_size() for u in runtime.units]
@@ -89,8 +92,8 @@ _FROM_DISK = """
 import json, os, sys
 from lightning_shard.checkpoint.export_checkpoint import export_checkpoint
 from lightning_shard.tools.bench_export import _peak, _reset_peak, _rss
-before = _rss()
 _reset_peak()
+before = _rss()
 export_checkpoint(sys.argv[1], sys.argv[2], max_shard_size=sys.argv[3])
 print(json.dumps({"disk_growth": _peak() - before}))
 """
