@@ -47,6 +47,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         fail(PROG, str(err))
     written = sorted(p.name for p in out.iterdir())
     print(f"wrote {out}: {', '.join(written)}")
+    if "config.json" not in written and "adapter_config.json" not in written:
+        print("no config.json: the checkpoint has no record of a Hugging Face model (not saved by ShardStrategy, or"
+              " its module held none): the names are the checkpoint's own; give --model-config to write one and find"
+              " the model's names, or --prefix to strip the LightningModule's")
     if "adapter_config.json" in written:
         print(f"load it: PeftModel.from_pretrained(base_model, {str(out)!r})")
     else:

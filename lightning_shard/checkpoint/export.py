@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Iterator
+from contextlib import nullcontext
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
@@ -50,11 +52,21 @@ def save_pretrained(module: nn.Module, folder: Union[str, Path], dtype: Optional
         hf.require("peft", "exporting a peft model")
     elif merged:
         raise ValueError("save_pretrained: `merged=True` merges a peft model's adapter; this model has none.")
+    layers = _lora_layers(model, adapter) if merged else {}  # refusals first, on every rank, before any exchange
     folder = Path(folder)
     runtime = getattr(module, "_shard_runtime", None)
     if runtime is not None:
         runtime.sync_buffers()  # rank 0's, as in checkpoints (every rank: a broadcast)
     writing = not dist.is_initialized() or dist.get_rank() == 0
+    carried, refusal = [], None
+    if writing:
+        try:
+            carried = carried_over(folder)
+        except ValueError as err:
+            refusal = str(err)
+    refusal = collectives.from_every_rank(refusal)[0]  # rank 0's folder: every rank stops, or none
+    if refusal is not None:
+        raise ValueError(refusal)
     partial = files.begin(folder) if writing else None
     try:
         if hf.is_peft_model(model) and not merged:
@@ -64,12 +76,14 @@ def save_pretrained(module: nn.Module, folder: Union[str, Path], dtype: Optional
                 pass
         else:
             writer = SafetensorsWriter(partial, limit)
-            for name, tensor in _Exporter(module, model, prefix, adapter if merged else None, dtype,
+            for name, tensor in _Exporter(module, model, prefix, adapter if merged else None, layers, dtype,
                                           writer.make_room).tensors():
                 writer.add(name, tensor)
                 del tensor  # the writer's alone: written out, it is freed before the next one is gathered
             writer.close()
             _write_configs(model.get_base_model() if merged else model, partial)
+        for path in carried:
+            shutil.copy2(path, partial / path.name)
     except BaseException:
         if partial is not None:
             shutil.rmtree(partial, ignore_errors=True)
@@ -79,6 +93,29 @@ def save_pretrained(module: nn.Module, folder: Union[str, Path], dtype: Optional
     if dist.is_initialized():
         dist.barrier()  # the folder is complete for every rank once it returns
     return folder
+
+
+# what an export writes (a folder's earlier export is replaced), and what may lie beside it (a tokenizer, custom
+# modelling code: carried over)
+_WRITTEN = ("config.json", "generation_config.json", "model*.safetensors", "model.safetensors.index.json",
+            "pytorch_model*.bin", "pytorch_model.bin.index.json", "adapter_config.json", "adapter_model.*")
+_BESIDE = ("*.json", "*.txt", "*.model", "*.py", "*.md", "*.tiktoken", "*.jinja")
+
+
+def carried_over(folder: Path) -> list[Path]:
+    """The files of an existing ``folder`` that the new export keeps (copied into it), or an error naming what a
+    folder a model is written into must not hold: it is replaced whole, so that it is complete or not at all."""
+    if not folder.exists():
+        return []
+    if not folder.is_dir():
+        raise ValueError(f"lightning_shard: {str(folder)!r} is a file, not a folder.")
+    entries = list(folder.iterdir())
+    foreign = [p.name for p in entries if p.is_dir() or not any(fnmatch(p.name, pattern) for pattern in _WRITTEN + _BESIDE)]
+    if foreign:
+        raise ValueError(f"lightning_shard: {str(folder)!r} holds {sorted(foreign)[:5]}, which a model folder does not:"
+                         " the folder is replaced whole when the export is complete. Write into a new or empty"
+                         " folder (a tokenizer's files, configs and modelling code beside the weights are kept).")
+    return [p for p in entries if not any(fnmatch(p.name, pattern) for pattern in _WRITTEN)]
 
 
 def _parameters(module: nn.Module, before: Callable[[int], None] = lambda nbytes: None
@@ -120,11 +157,11 @@ class _Exporter:
     peft ``adapter`` to merge, each wrapped layer's base weight once its adapter's weights have come too."""
 
     def __init__(self, module: nn.Module, model: nn.Module, prefix: str, adapter: Optional[str],
-                 dtype: Optional[torch.dtype], make_room: Callable[[int], None]) -> None:
+                 layers: dict[str, Any], dtype: Optional[torch.dtype], make_room: Callable[[int], None]) -> None:
         self.module, self.model, self.prefix, self.adapter, self.dtype = module, model, prefix, adapter, dtype
-        self.make_room = make_room  # the writer's: a unit is gathered once the file before it is out
+        self.make_room = make_room  # the writer's: a parameter is gathered once the file before it is out
         self.tied = hf.tied_targets(model)
-        self.layers = _lora_layers(model, prefix, adapter) if adapter is not None else {}
+        self.layers = layers
         self.held: dict[str, tuple[ParamSlot, Tensor]] = {}  # what a layer still waiting for its adapter needs
 
     def tensors(self) -> Iterator[tuple[str, Tensor]]:
@@ -147,10 +184,10 @@ class _Exporter:
         yield from self._buffers()
 
     def _file_name(self, names: list[str]) -> Optional[str]:
-        if self.adapter is not None:
-            if any(hf.is_adapter_weight(n, hf.adapter_names(self.model)) for n in names):
-                return None  # merged into its base weight, or another adapter's
-            names = [hf.base_name(n) for n in names]
+        if self.adapter is not None:  # merging: the base model's names
+            names = [m for m in (hf.merged_name(n, self.adapter) for n in names) if m is not None]
+            if not names:
+                return None  # merged into a base weight, or replaced by a trained copy
         untied = [n for n in names if n not in self.tied]
         return (untied or names)[0]
 
@@ -169,7 +206,9 @@ class _Exporter:
             for attr, buffer in sub._buffers.items():
                 if buffer is not None and attr not in sub._non_persistent_buffers_set:
                     name = f"{owner}.{attr}" if owner else attr
-                    yield (hf.base_name(name) if self.adapter is not None else name), self._cast(buffer)
+                    name = hf.merged_name(name, self.adapter) if self.adapter is not None else name
+                    if name is not None:
+                        yield name, self._cast(buffer)
 
     def _cast(self, value: Tensor) -> Tensor:
         """On the CPU in the files' dtype, in a storage of its own (safetensors refuses tensors sharing one)."""
@@ -180,9 +219,13 @@ class _Exporter:
         return value.to("cpu", dtype=dtype, copy=True).contiguous()
 
 
-def _lora_layers(model: nn.Module, prefix: str, adapter: str) -> dict[str, Any]:
+def _lora_layers(model: nn.Module, adapter: Optional[str]) -> dict[str, Any]:
     """The peft layers to merge: per layer (by its path in ``model``) the layer and the names (relative to
-    ``model``) of its base weight and of the adapter's weights; ``needs``: all those names."""
+    ``model``) of its base weight and of the adapter's weights; ``needs``: all those names. Refused here, on every
+    rank: DoRA, and a merge into a tied weight (it would untie it)."""
+    tied = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        tied.setdefault(id(param), []).append(name)
     by_layer: dict[str, tuple[nn.Module, list[str]]] = {}
     for path, layer in model.named_modules():
         if not (hasattr(layer, "get_delta_weight") and hasattr(layer, "get_base_layer")):
@@ -192,8 +235,14 @@ def _lora_layers(model: nn.Module, prefix: str, adapter: str) -> dict[str, Any]:
                              " peft (`merge_and_unload`) in one process, or export the adapter alone.")
         own = [f"{path}.{n}" if path else n for n, _ in layer.named_parameters()
                if adapter in n.split(".") or n == "base_layer.weight"]
-        if len(own) > 1:
-            by_layer[path] = (layer, own)
+        if len(own) < 2:
+            continue
+        base = tied.get(id(getattr(layer.get_base_layer(), "weight", None)), [])
+        if len(base) > 1:
+            raise ValueError(f"save_pretrained: `merged=True` would merge the adapter of {path!r} into a weight tied"
+                             f" to {[n for n in base if not n.startswith(path)][:2]}, untying them. Export the"
+                             " adapter alone (the default), or merge with peft in one process.")
+        by_layer[path] = (layer, own)
     return {"by_layer": by_layer, "needs": {n for _, own in by_layer.values() for n in own}}
 
 
@@ -205,6 +254,7 @@ def _write_adapter(module: nn.Module, model: nn.Module, prefix: str, adapter: st
 
     wanted = lambda name, trainable: trainable or hf.is_adapter_weight(name, [adapter])
     runtime = getattr(module, "_shard_runtime", None)
+    gathered: list[tuple[ParamSlot, Tensor]] = []  # full values, registered in the tree while peft reads them
     if runtime is None:
         state = {n: p.detach() for n, p in model.named_parameters() if wanted(n, p.requires_grad)}
     else:
@@ -215,11 +265,15 @@ def _write_adapter(module: nn.Module, model: nn.Module, prefix: str, adapter: st
                       if any(n.startswith(prefix) and wanted(n[len(prefix):], shard.requires_grad) for n in slot.names)]
             if chosen:
                 for i, value in zip(chosen, gather_slots(runtime, storage, chosen)):
+                    gathered.append((storage.slots[i], value))
                     state.update({n[len(prefix):]: value for n in storage.slots[i].names if n.startswith(prefix)})
     if folder is None:
         return
-    adapter_state = get_peft_model_state_dict(model, state_dict=state, adapter_name=adapter,
-                                              save_embedding_layers=False)
+    # peft asks some modules for their own state_dict() (a `modules_to_save` copy): they hold full values then
+    with registered([(slot, nn.Parameter(v, requires_grad=False)) for slot, v in gathered]), \
+            (runtime.plain_state_dict() if runtime is not None else nullcontext()):
+        adapter_state = get_peft_model_state_dict(model, state_dict=state, adapter_name=adapter,
+                                                  save_embedding_layers=False)
     writer = SafetensorsWriter(folder, 2**62, stem="adapter_model")
     for name, value in adapter_state.items():
         dtype_ = dtype if dtype is not None and value.is_floating_point() else value.dtype

@@ -23,6 +23,7 @@ from torch import Tensor
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_shard.checkpoint import files, hf
+from lightning_shard.checkpoint.export import carried_over
 from lightning_shard.checkpoint.safetensors_writer import SafetensorsWriter, parse_size
 from lightning_shard.checkpoint.sharded import MODEL_PREFIX, read_metadata
 
@@ -46,9 +47,16 @@ def export_checkpoint(checkpoint: Union[str, Path], out: Union[str, Path], model
     else:
         tied = set(described.get("tied", ()))
         chosen = {n: n[len(prefix):] for n in names if n.startswith(prefix) and n[len(prefix):] not in tied}
+        left_out = sorted(n for n in record.get("left_out", ()) if n.startswith(prefix) and n[len(prefix):] not in tied)
+        if left_out:
+            raise files.CheckpointError(
+                f"{str(checkpoint)!r} was saved without its frozen parameters (ShardStrategy(save_frozen=False)):"
+                f" {left_out[:4]}{' ...' if len(left_out) > 4 else ''} are not in it, so it cannot make a whole model."
+                " Write the folder from the live model (trainer.strategy.save_pretrained), whose base is loaded.")
     if not chosen:
         raise files.CheckpointError(f"{str(checkpoint)!r} holds no weights under prefix {prefix!r}.")
     out = Path(out)
+    carried = carried_over(out)
     partial = files.begin(out)
     try:
         writer = SafetensorsWriter(partial, 2**62 if peft is not None else limit,
@@ -64,6 +72,8 @@ def export_checkpoint(checkpoint: Union[str, Path], out: Union[str, Path], model
         writer.close()
         for file_name, text in _configs(described).items():
             (partial / file_name).write_text(text)
+        for path in carried:
+            shutil.copy2(path, partial / path.name)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
@@ -158,11 +168,11 @@ def _configs(described: dict[str, Any]) -> dict[str, str]:
 
 def describe_pretrained(module: Any) -> Optional[dict[str, Any]]:
     """What :func:`export_checkpoint` needs of a module holding a transformers or peft model, for the checkpoint's
-    record (plain strings and lists: checkpoints are read with ``weights_only=True``); None when it holds none."""
-    found = hf.find_pretrained(module)
-    if found is None:
+    record (plain strings and lists: checkpoints are read with ``weights_only=True``); None unless it holds one."""
+    found = hf.find_all_pretrained(module)
+    if len(found) != 1:  # none, or several (a teacher and a student): the export needs --prefix / --model-config
         return None
-    prefix, model = found
+    prefix, model = found[0]
     described: dict[str, Any] = {"prefix": prefix}
     base = model.get_base_model() if hf.is_peft_model(model) else model
     if hf.is_transformers_model(base):

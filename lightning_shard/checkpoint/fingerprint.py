@@ -55,10 +55,18 @@ def fingerprints(runtime: ShardRuntime, names: Iterable[str]) -> dict[str, int]:
     return dict(zip((name for name, _ in found), totals.tolist()))
 
 
-def frozen_names(runtime: ShardRuntime) -> set[str]:
-    """Every name (ties included) of the sharded model's parameters that do not train now."""
-    return {name for unit in runtime.units for slot, shard in zip(unit.storage.slots, unit.storage.shard_params)
-            if not shard.requires_grad for name in slot.names}
+def frozen_names(runtime: ShardRuntime, optimizers: Iterable[object] = ()) -> set[str]:
+    """Every name (ties included) of the sharded model's parameters that do not train now and never did: no
+    ``optimizers`` holds state for them on any rank (one trained, then frozen again, differs from the base). Every
+    rank must call it (one all-reduce)."""
+    frozen = [(slot, shard) for unit in runtime.units for slot, shard in zip(unit.storage.slots, unit.storage.shard_params)
+              if not shard.requires_grad]
+    states = [getattr(o, "_optimizer", o).state for o in optimizers]
+    trained = torch.tensor([any(shard in state for state in states) for _, shard in frozen], dtype=torch.int64,
+                           device=runtime.units[0].storage.shard.device if runtime.units else "cpu")
+    if runtime.world_size > 1 and len(frozen):  # whole-parameter optimizers keep a state on its owner only
+        collectives.agree(trained, runtime.group, runtime.stats, label="agreement on the parameters ever trained")
+    return {name for (slot, _), was in zip(frozen, trained.tolist()) if not was for name in slot.names}
 
 
 def check_fingerprints(runtime: ShardRuntime, saved: dict[str, int], where: str) -> None:

@@ -37,10 +37,9 @@ def is_transformers_model(module: nn.Module) -> bool:
     return transformers is not None and isinstance(module, transformers.PreTrainedModel)
 
 
-def find_pretrained(module: nn.Module) -> Optional[tuple[str, nn.Module]]:
-    """The outermost peft or transformers model in ``module`` (itself included) and its name prefix
-    (``"model."`` for a LightningModule's ``self.model``); None if there is none. Several side by side are an
-    error: say which with ``prefix=``."""
+def find_all_pretrained(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The outermost peft and transformers models in ``module`` (itself included), each with its name prefix
+    (``"model."`` for a LightningModule's ``self.model``)."""
     found: list[tuple[str, nn.Module]] = []
 
     def visit(m: nn.Module, prefix: str) -> None:
@@ -51,6 +50,13 @@ def find_pretrained(module: nn.Module) -> Optional[tuple[str, nn.Module]]:
             visit(child, f"{prefix}{name}.")
 
     visit(module, "")
+    return found
+
+
+def find_pretrained(module: nn.Module) -> Optional[tuple[str, nn.Module]]:
+    """The one peft or transformers model in ``module`` and its prefix; None if there is none. Several side by side
+    (a teacher and a student) are an error: say which with ``prefix=``."""
+    found = find_all_pretrained(module)
     if len(found) > 1:
         raise ValueError(f"lightning_shard: {len(found)} Hugging Face models in the module, at"
                          f" {[p.rstrip('.') for p, _ in found]}: pass `prefix=` to choose one.")
@@ -73,8 +79,25 @@ def base_name(peft_name: str) -> str:
 
 
 def adapter_file_name(peft_name: str, adapter: str) -> str:
-    """``...q_proj.lora_A.default.weight`` -> ``...q_proj.lora_A.weight``: the name in the adapter's files."""
-    return ".".join(part for part in peft_name.split(".") if part != adapter)
+    """``...q_proj.lora_A.default.weight`` -> ``...q_proj.lora_A.weight``, ``...score.modules_to_save.default.weight``
+    -> ``...score.weight``: the name in the adapter's files."""
+    parts = peft_name.split(".")
+    kept = [p for i, p in enumerate(parts)
+            if p != adapter and not (p == "modules_to_save" and i + 1 < len(parts) and parts[i + 1] == adapter)]
+    return ".".join(kept)
+
+
+def merged_name(peft_name: str, adapter: str) -> Optional[str]:
+    """A peft model's weight in the base model it merges into: the base weight's name, the trained copy of a module
+    peft saves whole (``modules_to_save``) in place of the original; None for what merging consumes (the adapter's
+    own weights) or drops (the original of a module saved whole, another adapter's copy)."""
+    parts = peft_name.split(".")
+    if "modules_to_save" in parts:
+        i = parts.index("modules_to_save")
+        return base_name(".".join(parts[:i] + parts[i + 2:])) if parts[i + 1: i + 2] == [adapter] else None
+    if "original_module" in parts:
+        return None
+    return None if adapter in parts else base_name(peft_name)
 
 
 def tied_targets(model: nn.Module) -> set[str]:
@@ -96,18 +119,17 @@ def init_peft_adapters(runtime: Any) -> list[str]:
     from lightning_shard.checkpoint.weights import load_into
     from lightning_shard.engine import collectives
 
-    found = find_pretrained(runtime.root)
-    if found is None or not is_peft_model(found[1]):
-        return []
-    prefix, model = found
     slots = {name: slot for unit in runtime.units for slot in unit.storage.slots for name in slot.names}
     values: dict[str, Any] = {}
-    for path, layer in model.named_modules():
+    for prefix, model, path, layer in ((p, m, path, layer) for p, m in find_all_pretrained(runtime.root)
+                                       if is_peft_model(m) for path, layer in m.named_modules()):
         if not hasattr(layer, "reset_lora_parameters"):
             continue
         for adapter in adapter_names(model):
             init = model.peft_config[adapter].init_lora_weights
-            if init not in (True, False, "gaussian"):
+            if init is False:  # peft keeps its modules' own init: what materialising gave them
+                continue
+            if init not in (True, "gaussian"):
                 raise ValueError(f"lightning_shard: a peft model built on the meta device gets peft's init for its"
                                  f" adapters at setup; init_lora_weights={init!r} reads the base weights, which"
                                  " are not loaded yet. Load the adapter (load_pretrained of an adapter folder) or"

@@ -3,10 +3,12 @@ its slices, see ``weights.py``), names matched the way Hugging Face and peft nam
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 from typing import Callable, Optional, Union
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -42,17 +44,20 @@ def load_pretrained(module: nn.Module, path: Union[str, Path], strict: bool = Tr
         names = sorted(source.names())
         in_model = {n for n, _ in module.named_parameters(remove_duplicate=False)}
         in_model |= {n for n, _ in _persistent_buffers(module)}
-        found = hf.find_pretrained(module) if prefix is None else None
-        candidates = [prefix] if prefix is not None else ["", found[0]] if found is not None and found[0] else [""]
+        candidates = [prefix] if prefix is not None else list(dict.fromkeys(
+            ["", *(p for p, _ in hf.find_all_pretrained(module))]))
         if adapter_folder:  # only a peft model takes an adapter
             candidates = [p for p in candidates if hf.is_peft_model(module.get_submodule(p[:-1]) if p else module)]
             if not candidates:
                 raise CheckpointError(f"load_pretrained: {str(path)!r} is a peft adapter folder; it goes into a peft"
                                       " model (`peft.get_peft_model`), and the module holds none"
                                       f"{'' if prefix is None else f' at prefix {prefix!r}'}.")
-        mappings = [_model_names(module, p, names, in_model, adapter_folder, adapter) for p in candidates]
-        renamed, not_expected = max(mappings, key=lambda m: len(in_model.intersection(m[0])))
+        mappings = [(p, *_model_names(module, p, names, in_model, adapter_folder, adapter)) for p in candidates]
+        prefix, renamed, not_expected = max(mappings, key=lambda m: len(in_model.intersection(m[1])))
+        if adapter_folder:
+            _check_adapter_config(module.get_submodule(prefix[:-1]) if prefix else module, path, adapter)
         source = RenamedSource(source, renamed)
+        _check_ties(module, source)
         runtime = getattr(module, "_shard_runtime", None)
         if runtime is not None:
             missing, unexpected = load_into(runtime, source, strict=strict, not_expected=not_expected)
@@ -100,8 +105,61 @@ def _load_unsharded(module: nn.Module, source: RenamedSource, strict: bool,
         raise CheckpointError("load_pretrained: the module is still on the meta device; load after the strategy"
                               " has sharded it (e.g. in `on_fit_start`).")
     result = module.load_state_dict({n: source.whole(n) for n in source.names()}, strict=False)
-    missing = [n for n in result.missing_keys if not not_expected(n)]
+    found = set(source.names())
+    tied = [names for names in _tie_groups(module) if found.intersection(names)]
+    covered = {n for names in tied for n in names}  # a tie is loaded through any one of its names
+    missing = [n for n in result.missing_keys if not not_expected(n) and n not in covered]
     if strict and (missing or result.unexpected_keys):
         raise CheckpointError(f"The weights do not fit the model: missing {missing[:8]}, unexpected"
                               f" {list(result.unexpected_keys)[:8]}.")
     return missing, list(result.unexpected_keys)
+
+
+# the adapter settings that change what an adapter's weights compute: they must be the model's too
+_ADAPTER_SETTINGS = ("peft_type", "r", "lora_alpha", "use_rslora", "rank_pattern", "alpha_pattern", "fan_in_fan_out",
+                     "use_dora", "bias", "target_modules", "modules_to_save", "lora_bias")
+
+
+def _check_adapter_config(model: nn.Module, path: Path, adapter: Optional[str]) -> None:
+    """An adapter folder's weights mean what its ``adapter_config.json`` says: refused into a peft model configured
+    otherwise (another ``lora_alpha`` scales the same weights differently), naming the settings."""
+    saved = json.loads((path / ADAPTER_CONFIG).read_text())
+    ours = model.peft_config[adapter or model.active_adapter].to_dict()
+    differ = [f"{k}: folder {saved.get(k)!r}, model {ours.get(k)!r}" for k in _ADAPTER_SETTINGS
+              if k in saved and k in ours and _setting(saved[k]) != _setting(ours[k])]
+    if differ:
+        raise CheckpointError(f"load_pretrained: the adapter in {str(path)!r} was trained with other settings than the"
+                              f" model's: {'; '.join(differ)}. Build the peft model with the folder's adapter_config.json"
+                              " (PeftConfig.from_pretrained) or load the folder with PeftModel.from_pretrained.")
+
+
+def _setting(value: object) -> str:
+    """A config value as comparable text: lists and sets unordered, enums by value (json has both as strings)."""
+    if isinstance(value, (set, list, tuple)):
+        return json.dumps(sorted(str(getattr(v, "value", v)) for v in value))
+    if isinstance(value, dict):
+        return json.dumps(value, sort_keys=True, default=str)
+    return json.dumps(getattr(value, "value", value), default=str)
+
+
+def _tie_groups(module: nn.Module) -> list[list[str]]:
+    by_id: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(param), []).append(name)
+    return [names for names in by_id.values() if len(names) > 1]
+
+
+def _check_ties(module: nn.Module, source: RenamedSource, chunk: int = 1 << 24) -> None:
+    """A weight the module ties (an LM head to the input embedding) found under two names in the files with two
+    different values (a model saved untied): one would silently win. Refused, naming them."""
+    present = set(source.names())
+    for names in _tie_groups(module):
+        given = [n for n in names if n in present]
+        for other in given[1:]:
+            size = source.shape(given[0]).numel()
+            if source.shape(other) != source.shape(given[0]) or any(
+                    not torch.equal(source.read(given[0], lo, min(lo + chunk, size)),
+                                    source.read(other, lo, min(lo + chunk, size))) for lo in range(0, size, chunk)):
+                raise CheckpointError(f"load_pretrained: the module ties {given[0]!r} and {other!r}, and the files"
+                                      " hold different values for them (a model saved untied, e.g."
+                                      " tie_word_embeddings=False): build the model untied, or load one of them.")

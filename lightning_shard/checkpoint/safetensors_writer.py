@@ -47,6 +47,8 @@ class SafetensorsWriter:
     def add(self, name: str, tensor: Tensor) -> None:
         size = tensor.numel() * tensor.element_size()
         self.make_room(size)
+        if any(t.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr() for t in self.pending.values()):
+            tensor = tensor.clone()  # two names of one tensor (a tie): safetensors wants a storage each
         self.pending[name] = tensor
         self.pending_bytes += size
         self.total_bytes += size

@@ -40,9 +40,10 @@ class CheckpointState:
     _told_how_to_load = False
 
     def _left_out(self) -> set[str]:
-        """The parameters a checkpoint leaves out: the frozen ones under ``save_frozen=False``."""
+        """The parameters a checkpoint leaves out: under ``save_frozen=False`` the frozen ones never trained (every
+        rank calls it)."""
         assert self.runtime is not None
-        return set() if self.save_frozen else frozen_names(self.runtime)
+        return set() if self.save_frozen else frozen_names(self.runtime, self.optimizers)
 
     def _record(self) -> dict[str, Any]:
         """What a resume and ``python -m lightning_shard.export`` need beyond the tensors (every rank calls it)."""
