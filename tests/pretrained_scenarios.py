@@ -250,3 +250,56 @@ if __name__ == "__main__":
     print(f"LoRA on Llama: base {sizes['base'] / 1e6:.1f}M parameters, adapter"
           f" {sizes['adapter'] / 1e6:.2f}M; sharded checkpoint with the base {sizes['with the base'] / 1e6:.1f} MB,"
           f" with save_frozen=False {sizes['save_frozen=False'] / 1e6:.2f} MB")
+
+
+# -- habits of real fine-tuning setups: a classification head saved whole, ties, other adapter settings ----------
+def edges(rank: int, world: int, base: str, work: str) -> dict:
+    """A sequence-classification LoRA (peft saves the head whole: ``modules_to_save``) exported as adapter and
+    merged; a merge into a tied weight and a mismatched adapter refused on every rank; a module holding two models."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForSequenceClassification, LlamaForCausalLM, LlamaForSequenceClassification
+
+    report: dict = {}
+    config = llama_config(tied=False)
+    config.num_labels, config.pad_token_id = 3, 0
+    torch.manual_seed(0)
+    lora_config = LoraConfig(task_type="SEQ_CLS", r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    model = get_peft_model(LlamaForSequenceClassification(config), lora_config)
+    shard_module(model)
+    load_pretrained(model, base, strict=False)  # the base's body; the new head stays as initialised
+    g = torch.Generator().manual_seed(2)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(2):
+        ids = torch.randint(1, VOCAB, (2 * world, 8), generator=g).chunk(world)[rank]
+        labels = torch.randint(0, 3, (2 * world,), generator=g).chunk(world)[rank]
+        model(input_ids=ids, labels=labels).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    save_pretrained(model, Path(work) / "cls-adapter")
+    save_pretrained(model, Path(work) / "cls-merged", merged=True)
+    ids = torch.randint(1, VOCAB, (2, 8), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        trained = model(input_ids=ids).logits
+    if rank == 0:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            body = AutoModelForSequenceClassification.from_pretrained(base, num_labels=3, pad_token_id=0)
+            adapted = PeftModel.from_pretrained(body, Path(work) / "cls-adapter")
+            merged = AutoModelForSequenceClassification.from_pretrained(Path(work) / "cls-merged")
+        with torch.no_grad():
+            report["cls adapter"] = float((adapted(input_ids=ids).logits - trained).abs().max())
+            report["cls merged"] = float((merged(input_ids=ids).logits - trained).abs().max())
+    tied = get_peft_model(LlamaForCausalLM(llama_config()), LoraConfig(r=4, target_modules=["lm_head", "q_proj"]))
+    shard_module(tied)
+    for case, call in (("merge into a tie", lambda: save_pretrained(tied, Path(work) / "tied", merged=True)),
+                       ("other lora_alpha", lambda: load_pretrained(
+                           get_peft_model(LlamaForCausalLM(llama_config()), LoraConfig(r=4, lora_alpha=32,
+                                                                                       target_modules=["q_proj"])),
+                           Path(work) / "cls-adapter"))):
+        try:
+            call()
+            report[case] = "done"
+        except Exception as err:  # noqa: BLE001 - the message is what is tested
+            report[case] = f"{type(err).__name__}: {err}"
+    dist.barrier()
+    return report

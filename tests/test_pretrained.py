@@ -108,3 +108,61 @@ def test_the_export_command_finds_the_model_in_another_strategys_checkpoint(base
     bad = subprocess.run([sys.executable, "-m", "lightning_shard.export", str(tmp_path / "plain.ckpt"), str(out),
                           "--max-shard-size", "lots"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "`max_shard_size` must be a number of bytes or a size" in bad.stderr
+
+
+def test_a_classifier_lora_two_ties_and_other_adapter_settings(base, tmp_path):
+    report = run_world(scenarios.edges, 2, str(base), str(tmp_path), timeout=500)
+    assert report[0]["cls adapter"] <= 1e-6 and report[0]["cls merged"] <= 1e-5, report[0]  # the trained head too
+    for r in report:  # refused on every rank, before anything was exchanged
+        assert "would merge the adapter of 'base_model.model.lm_head' into a weight tied" in r["merge into a tie"]
+        assert "was trained with other settings than the model's: lora_alpha: folder 8, model 32" in r["other lora_alpha"]
+
+
+def test_export_folders_keep_what_lies_beside_the_weights_and_refuse_the_rest(tmp_path):
+    from torch import nn
+
+    from lightning_shard import save_pretrained
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "tokenizer.json").write_text("{}")
+    (out / "model.safetensors").write_text("an earlier export")
+    save_pretrained(nn.Linear(3, 2), out)
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors", "tokenizer.json"]
+    (out / "data").mkdir()
+    with pytest.raises(ValueError, match=r"holds \['data'\], which a model folder does not"):
+        save_pretrained(nn.Linear(3, 2), out)
+    assert (out / "tokenizer.json").exists() and (out / "data").is_dir()
+
+
+def test_ties_load_through_one_name_and_differing_values_are_refused(base, tmp_path):
+    from transformers import LlamaForCausalLM
+
+    from lightning_shard import load_pretrained
+    from lightning_shard.checkpoint.files import CheckpointError
+
+    assert load_pretrained(LlamaForCausalLM(scenarios.llama_config(tied=True)), base) == ([], [])  # no lm_head
+    scenarios.write_base(str(tmp_path / "untied"), tied=False)
+    with pytest.raises(CheckpointError, match="ties 'model.embed_tokens.weight' and 'lm_head.weight', and the files"):
+        load_pretrained(LlamaForCausalLM(scenarios.llama_config(tied=True)), tmp_path / "untied")
+
+
+def test_a_module_holding_two_models_checkpoints_and_loads_by_prefix(base):
+    from torch import nn
+    from transformers import LlamaForCausalLM
+
+    from lightning_shard import load_pretrained
+    from lightning_shard.checkpoint.export_checkpoint import describe_pretrained
+    from lightning_shard.checkpoint.files import CheckpointError
+
+    class Distillation(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.teacher = LlamaForCausalLM(scenarios.llama_config())
+            self.student = LlamaForCausalLM(scenarios.llama_config())
+
+    module = Distillation()
+    assert describe_pretrained(module) is None  # no record: the export command asks for --prefix
+    with pytest.raises(CheckpointError, match=r"fits the models at \['teacher', 'student'\] alike: pass `prefix=`"):
+        load_pretrained(module, base)
+    assert load_pretrained(module, base, prefix="student.") == ([], [])

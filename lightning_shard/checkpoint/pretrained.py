@@ -53,7 +53,12 @@ def load_pretrained(module: nn.Module, path: Union[str, Path], strict: bool = Tr
                                       " model (`peft.get_peft_model`), and the module holds none"
                                       f"{'' if prefix is None else f' at prefix {prefix!r}'}.")
         mappings = [(p, *_model_names(module, p, names, in_model, adapter_folder, adapter)) for p in candidates]
-        prefix, renamed, not_expected = max(mappings, key=lambda m: len(in_model.intersection(m[1])))
+        matched = [len(in_model.intersection(m[1])) for m in mappings]
+        best = [m[0] for m, n in zip(mappings, matched) if n == max(matched)]
+        if len(best) > 1 and max(matched):
+            raise CheckpointError(f"load_pretrained: {str(path)!r} fits the models at {[p.rstrip('.') for p in best]}"
+                                  " alike: pass `prefix=` to choose one.")
+        prefix, renamed, not_expected = mappings[matched.index(max(matched))]
         if adapter_folder:
             _check_adapter_config(module.get_submodule(prefix[:-1]) if prefix else module, path, adapter)
         source = RenamedSource(source, renamed)
