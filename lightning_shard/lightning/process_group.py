@@ -1,6 +1,6 @@
 """The processes and the process group of a ShardStrategy: launching, creating the default group (destroyed at
-interpreter exit unless a run failed), and the collectives Lightning asks a strategy for (logging, metrics,
-decisions)."""
+interpreter exit unless a run failed), the collectives Lightning asks a strategy for (logging, metrics,
+decisions), and ending a stage without leaving a collective behind."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
@@ -81,6 +82,31 @@ class ProcessGroupMixin:
         if isinstance(tensor, Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
+
+    def teardown(self) -> None:
+        # Unlike the base class, do not move the module to CPU: that would break its shard views.
+        assert self.cluster_environment is not None and self.accelerator is not None
+        if self._ended_cleanly():
+            self._complete_inflight_gathers()
+            self.barrier()  # no rank goes on to exit, closing its sockets, while another still communicates
+        else:  # a peer may be dead or stuck in a collective: waiting on it, or destroying the group, could hang
+            GROUP_AT_EXIT.failed = True
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+    def _ended_cleanly(self) -> bool:
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        return trainer is None or trainer.state.status != TrainerStatus.INTERRUPTED
+
+    def _complete_inflight_gathers(self) -> None:
+        """Wait for prefetched all-gathers a stage left in flight (a step cut short): no collective may
+        outlive the stage, since work still pending at exit is freed by a backend thread in interpreter shutdown."""
+        if self.runtime is None:
+            return
+        for unit in self.runtime.units:
+            if unit.inflight is not None:
+                self.runtime.schedule.reshard(unit)  # waits for it, then frees its buffer
 
 
 class GroupAtExit:

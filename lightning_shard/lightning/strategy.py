@@ -17,7 +17,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.core.optimizer import LightningOptimizer, _MockOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
-from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_debug, rank_zero_info
 from torch import Tensor
 from torch.optim import Optimizer
@@ -47,7 +47,7 @@ from lightning_shard.lightning.options import (
 )
 from lightning_shard.lightning.plan_summary import plan_listing, plan_summary
 from lightning_shard.lightning.precision import MixedPrecision, ShardPrecision, validate_mixed_precision
-from lightning_shard.lightning.process_group import GROUP_AT_EXIT, ProcessGroupMixin
+from lightning_shard.lightning.process_group import ProcessGroupMixin
 from lightning_shard.memory.estimate import MemoryEstimate
 
 
@@ -370,31 +370,6 @@ class ShardStrategy(ProcessGroupMixin, EvaluationHold, CheckpointState, Parallel
         metrics = {f"shard/{k}": float(v) for k, v in self.comm_stats.items()}
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
-
-    def teardown(self) -> None:
-        # Unlike the base class, do not move the module to CPU: that would break its shard views.
-        assert self.cluster_environment is not None and self.accelerator is not None
-        if self._ended_cleanly():
-            self._complete_inflight_gathers()
-            self.barrier()  # no rank goes on to exit, closing its sockets, while another still communicates
-        else:  # a peer may be dead or stuck in a collective: waiting on it, or destroying the group, could hang
-            GROUP_AT_EXIT.failed = True
-        self.cluster_environment.teardown()
-        self.precision_plugin.teardown()
-        self.accelerator.teardown()
-
-    def _ended_cleanly(self) -> bool:
-        trainer = getattr(self.lightning_module, "_trainer", None)
-        return trainer is None or trainer.state.status != TrainerStatus.INTERRUPTED
-
-    def _complete_inflight_gathers(self) -> None:
-        """Wait for prefetched all-gathers a stage left in flight (a step cut short): no collective may
-        outlive the stage, since work still pending at exit is freed by a backend thread in interpreter shutdown."""
-        if self.runtime is None:
-            return
-        for unit in self.runtime.units:
-            if unit.inflight is not None:
-                self.runtime.schedule.reshard(unit)  # waits for it, then frees its buffer
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
