@@ -70,12 +70,17 @@ class FlatShard:
             self.gathered = torch.empty(self.padded_numel, dtype=self.param_dtype, device=flat.device)
 
         self.shard_ranges = [self.shard_range(s) for s in slots]  # read at every step's gradient hand-over
+        self._padding = self.padded_numel - sum(s.numel for s in slots)
         self.shard_params = [self._make_shard_param(s) for s in slots]
         self.gathered_params = [
             nn.Parameter(self.gathered[s.offset : s.offset + s.numel].view(s.shape), requires_grad=s.requires_grad)
             for s in slots
         ]
         self.free()  # views exist now; the storage comes back at the first gather
+        # where each parameter is registered in the module tree, flat: swapped at every gather and free of a step
+        places = [(module._parameters, attr, i) for i, slot in enumerate(slots) for module, attr in slot.locations]
+        self._gathered_in_tree = [(parameters, attr, self.gathered_params[i]) for parameters, attr, i in places]
+        self._shards_in_tree = [(parameters, attr, self.shard_params[i]) for parameters, attr, i in places]
         self.trainable = [i for i, s in enumerate(slots) if s.requires_grad]
         self.requires_grad = [s.requires_grad for s in slots]  # as last synced (see sync_requires_grad)
         # the flat gradient shard and the shard parameters' ``.grad`` views of it, held weakly: the parameters'
@@ -128,15 +133,12 @@ class FlatShard:
 
     # -- module attributes --------------------------------------------------------------------------
     def use_gathered(self) -> None:
-        self._register(self.gathered_params)
+        for parameters, attr, param in self._gathered_in_tree:
+            parameters[attr] = param
 
     def use_shards(self) -> None:
-        self._register(self.shard_params)
-
-    def _register(self, params: list[nn.Parameter]) -> None:
-        for slot, param in zip(self.slots, params):
-            for module, attr in slot.locations:
-                module._parameters[attr] = param
+        for parameters, attr, param in self._shards_in_tree:
+            parameters[attr] = param
 
     # -- gradients ----------------------------------------------------------------------------------
     def sync_requires_grad(self) -> list[nn.Parameter]:
@@ -144,6 +146,9 @@ class FlatShard:
         optimizer and, between steps, ``named_parameters()`` hold: ``toggle_optimizer``, a fine-tuning callback)
         or the gathered one (registered in the tree while the unit is gathered). Returns the gathered parameters
         that became trainable. ``ParamSlot.requires_grad`` stays the value at setup."""
+        if ([p.requires_grad for p in self.shard_params] == self.requires_grad
+                and [p.requires_grad for p in self.gathered_params] == self.requires_grad):
+            return []  # the usual case, checked at every use of the unit: as cheap as it gets in Python
         unfrozen, changed = [], False
         for i, (shard, gathered) in enumerate(zip(self.shard_params, self.gathered_params)):
             if shard.requires_grad != self.requires_grad[i] or gathered.requires_grad != self.requires_grad[i]:
@@ -165,19 +170,18 @@ class FlatShard:
         ``.grad = None`` on its shard, so optimizers skip it exactly as they would without sharding; and
         the gradients taken, which the caller keeps alive until the stream that read them has been waited for.
         """
-        pieces, used, taken = [], [], []
-        for i, (slot, param) in enumerate(zip(self.slots, self.gathered_params)):
-            grad = param.grad
-            if grad is None:
-                pieces.append(self.shard.new_zeros(slot.numel, dtype=dtype))
-            else:
-                pieces.append(grad.reshape(-1).to(dtype))
-                used.append(i)
-                taken.append(grad)
-            param.grad = None
-        padding = self.padded_numel - sum(s.numel for s in self.slots)
-        if padding:
-            pieces.append(self.shard.new_zeros(padding, dtype=dtype))
+        grads = [param.grad for param in self.gathered_params]
+        used = [i for i, grad in enumerate(grads) if grad is not None]
+        taken = [grads[i] for i in used]
+        for i in used:
+            self.gathered_params[i].grad = None
+        if len(used) == len(grads) and all(grad.dtype == dtype for grad in taken):  # the usual case: one copy
+            pieces = [grad.reshape(-1) for grad in taken]
+        else:
+            pieces = [grad.reshape(-1).to(dtype) if grad is not None else self.shard.new_zeros(slot.numel, dtype=dtype)
+                      for slot, grad in zip(self.slots, grads)]
+        if self._padding:
+            pieces.append(self.shard.new_zeros(self._padding, dtype=dtype))
         return torch.cat(pieces), used, taken
 
     @property
