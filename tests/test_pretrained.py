@@ -166,3 +166,24 @@ def test_a_module_holding_two_models_checkpoints_and_loads_by_prefix(base):
     with pytest.raises(CheckpointError, match=r"fits the models at \['teacher', 'student'\] alike: pass `prefix=`"):
         load_pretrained(module, base)
     assert load_pretrained(module, base, prefix="student.") == ([], [])
+
+
+PLAIN_EXPORT = """
+import sys
+import torch
+from lightning_shard import save_pretrained
+save_pretrained(torch.nn.Sequential(torch.nn.Linear(3, 2)), sys.argv[1] + "/plain")
+print("peft imported" if "peft" in sys.modules else "peft not imported")
+"""
+
+
+def test_a_plain_model_exports_without_peft_and_missing_packages_are_named(tmp_path):
+    from lightning_shard.checkpoint.hf import require
+
+    done = subprocess.run([sys.executable, "-c", PLAIN_EXPORT, str(tmp_path)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in (tmp_path / "plain").iterdir()) == ["model.safetensors"]
+    assert done.stdout.strip().endswith("peft not imported")
+    with pytest.raises(ImportError, match="exporting with --model-config needs `not_a_package`: pip install"):
+        require("not_a_package", "exporting with --model-config")
