@@ -9,10 +9,13 @@
     elision.py        which units backward needs re-gathered (what autograd saved)
     reduce.py         gradient reduce-scatter, bounded in flight, accumulation without sync
     hooks.py          the module and autograd hooks that drive all of the above, one step at a time
+    arguments.py      a unit's call arguments as the hooks handle them (flattened, cast once)
+    held.py           buffers made rank 0's, and every unit held gathered for evaluation and generation
     guards.py         the sharded tree refuses conversions (.half(), .to()) and a state_dict() that would hang
-    norms.py          global gradient norm and clipping over the shards
+    norms.py          global gradient norm and clipping over the shards (and the runtime's face for them)
     optimizers.py     how each optimizer is stepped: elementwise (1-D shards) or matrix (whole, on owners)
     step_plan.py      an optimizer step's groups, and the owner of each whole parameter
+    optimizer_groups.py  the ranks' param groups made the same before anything reads them
     optimizer_step.py the sharded step: group by group, all-to-alls to and from the owners
     optimizer_attach.py  optimizers built against full-shape placeholders, then given the shards
     collectives.py    the collectives, with error text and communication figures

@@ -21,23 +21,27 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
-from lightning_shard.engine import collectives, norms
+from lightning_shard.engine.arguments import (
+    cast_floating,
+    expects_backward,
+    flatten_arguments,
+    in_backward,
+    needs_cast,
+)
 from lightning_shard.engine.collectives import CommStats
 from lightning_shard.engine.elision import BackwardElision
 from lightning_shard.engine.gather import GatherSchedule
 from lightning_shard.engine.groups import ShardGroups
 from lightning_shard.engine.guards import ModuleGuards
-from lightning_shard.engine.optimizer_attach import OptimizerAttachment
-from lightning_shard.engine.optimizer_step import DEFAULT_STEP_GROUP_NUMEL, ShardedStep
+from lightning_shard.engine.held import HeldUnits
+from lightning_shard.engine.optimizer_attach import OptimizerAttachment, RuntimeOptimizers
+from lightning_shard.engine.norms import RuntimeNorms
 from lightning_shard.engine.reduce import GradientReducer
 from lightning_shard.engine.streams import streams_for
 from lightning_shard.engine.unit import Unit
@@ -60,7 +64,7 @@ class _PostBackward(torch.autograd.Function):
         return (None, None) + grads
 
 
-class ShardRuntime(ModuleGuards):
+class ShardRuntime(HeldUnits, RuntimeOptimizers, RuntimeNorms, ModuleGuards):
     def __init__(
         self,
         root: nn.Module,
@@ -145,7 +149,7 @@ class ShardRuntime(ModuleGuards):
                     " under torch.no_grad() (evaluation, generation).")
             self._depth += 1
             return
-        if self._depth == 0 and self._final_callback_queued and not _in_backward():
+        if self._depth == 0 and self._final_callback_queued and not in_backward():
             self._recover_from_failed_backward()
         if self._depth == 0 and not self._final_callback_queued:
             # a previous step that ran no backward may have left units gathered: their data may be stale
@@ -177,7 +181,7 @@ class ShardRuntime(ModuleGuards):
             return
         self.elision.end_forward()
         self.schedule.record_order()
-        if not self._final_callback_queued and not _expects_backward(output):
+        if not self._final_callback_queued and not expects_backward(output):
             for unit in self.units:
                 self.schedule.reshard(unit)
 
@@ -212,75 +216,7 @@ class ShardRuntime(ModuleGuards):
         """Re-gather the units held gathered, after their shards changed (optimizer step, loading)."""
         self.schedule.refresh(self.units)
 
-    @torch.no_grad()
-    def sync_buffers(self) -> None:
-        """Rank 0's buffers (BatchNorm running statistics ...) on every rank, one broadcast per dtype: DDP's
-        ``broadcast_buffers``, and one consistent copy for a checkpoint. Every rank must call it."""
-        if self.world_size == 1:
-            return
-        by_kind: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
-        for buffer in self.root.buffers():
-            by_kind.setdefault((buffer.dtype, buffer.device), []).append(buffer)
-        for (dtype, _), buffers in by_kind.items():
-            flat = collectives.broadcast(torch.cat([b.reshape(-1) for b in buffers]), self.group, self.stats,
-                                         label=f"broadcast of the {dtype} buffers")
-            for buffer, value in zip(buffers, flat.split([b.numel() for b in buffers])):
-                buffer.copy_(value.view_as(buffer))
-        self._buffers_stale = False
-
-    # -- evaluation and generation with every unit held ---------------------------------------------
-    @contextmanager
-    def keep_gathered(self) -> Iterator[None]:
-        """Hold every unit gathered for a whole evaluation or generation loop. Every rank must enter (one
-        all-gather per unit); inside, forwards run no collective at all, so ranks may run different numbers of
-        them (generate to different lengths) without waiting for one another. Forwards without gradients only.
-        It costs :meth:`held_bytes` for as long as it lasts: the whole model's parameters in the gather dtype."""
-        if self._held:  # nested: the outer one holds them
-            yield
-            return
-        if self._depth or self._final_callback_queued:
-            raise RuntimeError("lightning_shard: keep_gathered() entered inside a step or a backward; enter it"
-                               " between steps, on every rank.")
-        if self.broadcast_buffers and self._buffers_stale:
-            self.sync_buffers()
-            self._buffers_stale = False
-        for unit in self.units:
-            self.schedule.gather(unit)
-        self._held = True
-        try:
-            yield
-        finally:
-            self._held = False
-            for unit in self.units:
-                self.schedule.reshard(unit)
-
-    def held_bytes(self) -> int:
-        """Bytes per rank that :meth:`keep_gathered` adds while it holds every unit (the root is gathered in
-        every step anyway, and a unit that is its own shard needs no gathered copy)."""
-        return sum(u.storage.gathered_nbytes for u in self.units if not u.storage.aliases_shard and u is not self.root_unit)
-
-    # -- optimizers (optimizer_attach.py, optimizer_step.py) ------------------------------------------
-    def shaped_parameters(self) -> Any:
-        """Inside, the model's parameters have their real shapes (meta placeholders): build optimizers here,
-        then :meth:`attach_optimizer` them."""
-        return self.optimizers.shaped_parameters()
-
-    def attach_optimizer(self, optimizer: torch.optim.Optimizer, whole: bool = False,
-                         step_group_numel: int = DEFAULT_STEP_GROUP_NUMEL) -> ShardedStep:
-        """Give ``optimizer`` the shard parameters in place of placeholders, and its sharded step (``whole``:
-        each parameter stepped whole on an owner rank, for optimizers that are not elementwise)."""
-        return self.optimizers.attach(optimizer, whole, step_group_numel)
-
-    def step(self, optimizer: torch.optim.Optimizer, closure: Optional[Callable[[], Any]] = None) -> Any:
-        """``optimizer.step(closure)`` for the sharded model (the optimizer must be attached), then
-        :meth:`after_optimizer_step`."""
-        sharded_step = self.optimizers.step_of(optimizer)
-        if sharded_step is None:
-            raise ValueError("lightning_shard: attach the optimizer first (`runtime.attach_optimizer(optimizer)`).")
-        loss = sharded_step(closure)
-        self.after_optimizer_step()
-        return loss
-
+    # -- accumulation -------------------------------------------------------------------------------
     def no_sync(self) -> Any:
         """Accumulate unsharded gradients locally, without reduction (costs a full gradient per unit)."""
         return self.reducer.no_sync()
@@ -331,10 +267,10 @@ class ShardRuntime(ModuleGuards):
 
     def _root_module_pre_forward(self, unit: Unit, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
         self._follow_requires_grad(unit)
-        if not _needs_cast(unit):
+        if not needs_cast(unit):
             return None
-        flat, rebuild = _flatten_arguments(args, kwargs)
-        return rebuild(_cast_floating(flat, unit.storage.param_dtype))
+        flat, rebuild = flatten_arguments(args, kwargs)
+        return rebuild(cast_floating(flat, unit.storage.param_dtype))
 
     def remove_hooks(self) -> None:
         for handle in self._handles:
@@ -355,13 +291,13 @@ class ShardRuntime(ModuleGuards):
             self.schedule.gather(unit)
             if not self._final_callback_queued:  # not a recomputation inside backward
                 self.schedule.forward_reached(unit)
-        cast = _needs_cast(unit)
+        cast = needs_cast(unit)
         hook = (not self._held and torch.is_grad_enabled() and not self._recomputing_for_saved_tensors(unit))
         if not (cast or hook):
             return None  # the arguments as they are
-        flat, rebuild = _flatten_arguments(args, kwargs)
+        flat, rebuild = flatten_arguments(args, kwargs)
         if cast:
-            flat = _cast_floating(flat, unit.storage.param_dtype)
+            flat = cast_floating(flat, unit.storage.param_dtype)
         # each tensor once: a module may test identity (`attn(h, h, h)` projects once when `query is key`)
         inputs = list({id(x): x for x in flat if isinstance(x, Tensor) and x.requires_grad}.values()) if hook else []
         if hook and not inputs:  # nothing to hook: the final callback reduces this unit
@@ -459,70 +395,3 @@ class ShardRuntime(ModuleGuards):
             unit.storage.clear_grads()
         self.skipped_steps += 1
         warnings.warn(f"lightning_shard: step {self.steps_done} skipped: non-finite gradient in unit {first.name!r}.")
-
-    # -- norms --------------------------------------------------------------------------------------
-    def clip_grad_norm_(self, parameters: list[Tensor], max_norm: float, norm_type: float = 2.0) -> Tensor:
-        """Clip by the norm over all shards, as ``torch.nn.utils.clip_grad_norm_`` on the unsharded model."""
-        shards, sharded = self._shards_of(list(parameters))
-        return norms.clip_grad_norm_(shards, sharded, max_norm, norm_type, self.units[0].storage.shard.device,
-                                     self.groups.shard, self.stats)
-
-    def grad_norms(self, norm_type: float = 2.0) -> tuple[list[str], Tensor, Tensor]:
-        """The names of the parameters that have a gradient, each one's gradient norm over all shards, and their
-        total norm: Lightning's ``grad_norm(model, norm_type)`` on the unsharded model."""
-        named = list(self.root.named_parameters())
-        shards, sharded = self._shards_of([p for _, p in named])
-        kept = [i for i, shard in enumerate(shards) if shard.grad is not None]
-        each, total = norms.grad_norms([shards[i].grad for i in kept], [sharded[i] for i in kept], norm_type,
-                                       self.units[0].storage.shard.device, self.groups.shard, self.stats)
-        return [named[i][0] for i in kept], each, total
-
-    def _shards_of(self, parameters: list[Tensor]) -> tuple[list[nn.Parameter], list[bool]]:
-        """The shard parameters (which hold the gradients) of ``parameters``, given as shards or as the gathered
-        parameters the tree holds mid-step, and whether each is split over the ranks (else replicated)."""
-        known = {}
-        for unit in self.units:
-            for shard, gathered in zip(unit.storage.shard_params, unit.storage.gathered_params):
-                known[id(shard)] = known[id(gathered)] = (shard, unit.storage.world_size > 1)
-        unknown = [i for i, p in enumerate(parameters) if id(p) not in known]
-        if unknown:
-            raise ValueError(f"lightning_shard: parameters {unknown[:4]} (by position) are not the sharded model's:"
-                             " gradient norms are taken over its parameters (model.parameters(), the optimizer's).")
-        found = [known[id(p)] for p in parameters]
-        return [shard for shard, _ in found], [split for _, split in found]
-
-
-def _needs_cast(unit: Unit) -> bool:
-    """Floating-point inputs go in the unit's ``param_dtype`` when it computes in one lower than its masters and
-    autocast is off (FSDP2's ``cast_forward_inputs``): ``F.linear(fp32 input, bf16 weight)`` would raise."""
-    storage = unit.storage
-    return storage.param_dtype != storage.master_dtype and not torch.is_autocast_enabled(storage.shard.device.type)
-
-
-def _cast_floating(flat: list, dtype: torch.dtype) -> list:
-    """Each tensor cast once, so a module testing identity (``query is key``) sees the same tensor twice."""
-    cast = {id(x): x.to(dtype) for x in flat if isinstance(x, Tensor) and x.is_floating_point()}
-    return [cast.get(id(x), x) for x in flat] if cast else flat
-
-
-_LEAVES = (Tensor, int, float, bool, str, type(None))
-
-
-def _flatten_arguments(args: tuple, kwargs: dict) -> tuple[list, Callable[[list], tuple[tuple, dict]]]:
-    """A call's arguments as one flat list, and how to rebuild ``(args, kwargs)`` from it. Plain arguments (tensors,
-    numbers, strings, None: a block's usual call) skip pytree, which costs more than the rest of a hook."""
-    if all(isinstance(x, _LEAVES) for x in args) and all(isinstance(x, _LEAVES) for x in kwargs.values()):
-        count, keys = len(args), tuple(kwargs)
-        return [*args, *kwargs.values()], lambda flat: (tuple(flat[:count]), dict(zip(keys, flat[count:])))
-    flat, spec = tree_flatten((args, kwargs))
-    return flat, lambda values: tree_unflatten(values, spec)
-
-
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
-
-
-def _expects_backward(output: Any) -> bool:
-    return torch.is_grad_enabled() and any(
-        isinstance(x, Tensor) and x.requires_grad for x in tree_flatten(output)[0]
-    )

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_shard.engine import collectives
 from lightning_shard.engine.collectives import CommStats
@@ -72,3 +72,37 @@ def clip_grad_norm_(parameters: list[Tensor], sharded: list[bool], max_norm: flo
     if kept:
         torch.nn.utils.clip_grads_with_norm_([p for p, _ in kept], max_norm, total, foreach=True)
     return total
+
+
+class RuntimeNorms:
+    """ShardRuntime's gradient norms (mixed in: ``units``, ``root``, ``groups``, ``stats``)."""
+
+    def clip_grad_norm_(self, parameters: list[Tensor], max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """Clip by the norm over all shards, as ``torch.nn.utils.clip_grad_norm_`` on the unsharded model."""
+        shards, sharded = self._shards_of(list(parameters))
+        return clip_grad_norm_(shards, sharded, max_norm, norm_type, self.units[0].storage.shard.device,
+                                     self.groups.shard, self.stats)
+
+    def grad_norms(self, norm_type: float = 2.0) -> tuple[list[str], Tensor, Tensor]:
+        """The names of the parameters that have a gradient, each one's gradient norm over all shards, and their
+        total norm: Lightning's ``grad_norm(model, norm_type)`` on the unsharded model."""
+        named = list(self.root.named_parameters())
+        shards, sharded = self._shards_of([p for _, p in named])
+        kept = [i for i, shard in enumerate(shards) if shard.grad is not None]
+        each, total = grad_norms([shards[i].grad for i in kept], [sharded[i] for i in kept], norm_type,
+                                       self.units[0].storage.shard.device, self.groups.shard, self.stats)
+        return [named[i][0] for i in kept], each, total
+
+    def _shards_of(self, parameters: list[Tensor]) -> tuple[list[nn.Parameter], list[bool]]:
+        """The shard parameters (which hold the gradients) of ``parameters``, given as shards or as the gathered
+        parameters the tree holds mid-step, and whether each is split over the ranks (else replicated)."""
+        known = {}
+        for unit in self.units:
+            for shard, gathered in zip(unit.storage.shard_params, unit.storage.gathered_params):
+                known[id(shard)] = known[id(gathered)] = (shard, unit.storage.world_size > 1)
+        unknown = [i for i, p in enumerate(parameters) if id(p) not in known]
+        if unknown:
+            raise ValueError(f"lightning_shard: parameters {unknown[:4]} (by position) are not the sharded model's:"
+                             " gradient norms are taken over its parameters (model.parameters(), the optimizer's).")
+        found = [known[id(p)] for p in parameters]
+        return [shard for shard, _ in found], [split for _, split in found]

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Optional
+from typing import Any, Callable, Optional
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
@@ -116,3 +117,31 @@ class OptimizerAttachment:
     def _is_placeholder(self, param: object) -> bool:
         entry = self._placeholders.get(id(param))
         return entry is not None and entry[0] is param
+
+
+class RuntimeOptimizers:
+    """ShardRuntime's face for optimizers (mixed in: ``optimizers``, an :class:`OptimizerAttachment`, and
+    ``after_optimizer_step``)."""
+
+    optimizers: OptimizerAttachment
+
+    def shaped_parameters(self) -> Any:
+        """Inside, the model's parameters have their real shapes (meta placeholders): build optimizers here,
+        then :meth:`attach_optimizer` them."""
+        return self.optimizers.shaped_parameters()
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer, whole: bool = False,
+                         step_group_numel: int = DEFAULT_STEP_GROUP_NUMEL) -> ShardedStep:
+        """Give ``optimizer`` the shard parameters in place of placeholders, and its sharded step (``whole``:
+        each parameter stepped whole on an owner rank, for optimizers that are not elementwise)."""
+        return self.optimizers.attach(optimizer, whole, step_group_numel)
+
+    def step(self, optimizer: torch.optim.Optimizer, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """``optimizer.step(closure)`` for the sharded model (the optimizer must be attached), then
+        :meth:`after_optimizer_step`."""
+        sharded_step = self.optimizers.step_of(optimizer)
+        if sharded_step is None:
+            raise ValueError("lightning_shard: attach the optimizer first (`runtime.attach_optimizer(optimizer)`).")
+        loss = sharded_step(closure)
+        self.after_optimizer_step()
+        return loss

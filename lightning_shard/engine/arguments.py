@@ -1,0 +1,48 @@
+"""A unit's call arguments, as the hooks handle them: flattened without pytree where they are plain, cast to the
+unit's compute dtype once each; and what a step's output says about the backward to come."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from lightning_shard.engine.unit import Unit
+
+
+def needs_cast(unit: Unit) -> bool:
+    """Floating-point inputs go in the unit's ``param_dtype`` when it computes in one lower than its masters and
+    autocast is off (FSDP2's ``cast_forward_inputs``): ``F.linear(fp32 input, bf16 weight)`` would raise."""
+    storage = unit.storage
+    return storage.param_dtype != storage.master_dtype and not torch.is_autocast_enabled(storage.shard.device.type)
+
+
+def cast_floating(flat: list, dtype: torch.dtype) -> list:
+    """Each tensor cast once, so a module testing identity (``query is key``) sees the same tensor twice."""
+    cast = {id(x): x.to(dtype) for x in flat if isinstance(x, Tensor) and x.is_floating_point()}
+    return [cast.get(id(x), x) for x in flat] if cast else flat
+
+
+_LEAVES = (Tensor, int, float, bool, str, type(None))
+
+
+def flatten_arguments(args: tuple, kwargs: dict) -> tuple[list, Callable[[list], tuple[tuple, dict]]]:
+    """A call's arguments as one flat list, and how to rebuild ``(args, kwargs)`` from it. Plain arguments (tensors,
+    numbers, strings, None: a block's usual call) skip pytree, which costs more than the rest of a hook."""
+    if all(isinstance(x, _LEAVES) for x in args) and all(isinstance(x, _LEAVES) for x in kwargs.values()):
+        count, keys = len(args), tuple(kwargs)
+        return [*args, *kwargs.values()], lambda flat: (tuple(flat[:count]), dict(zip(keys, flat[count:])))
+    flat, spec = tree_flatten((args, kwargs))
+    return flat, lambda values: tree_unflatten(values, spec)
+
+
+def in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def expects_backward(output: Any) -> bool:
+    return torch.is_grad_enabled() and any(
+        isinstance(x, Tensor) and x.requires_grad for x in tree_flatten(output)[0]
+    )
