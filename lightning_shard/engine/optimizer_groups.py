@@ -57,14 +57,22 @@ def describe(optimizer: Optimizer, names: Mapping[int, str]) -> list[GroupView]:
     return views
 
 
-def fingerprint(optimizer: Optimizer, index: Mapping[int, int]) -> int:
+def fingerprint(optimizer: Optimizer, index: Mapping[int, int], cache: Optional[list] = None) -> int:
     """What ranks compare each step: per group its parameters (``index``: id(shard parameter) -> position in
-    the model, unordered within a group), its number of other tensors and its compared options."""
-    values = []
-    for group in optimizer.param_groups:
-        held = [index.get(id(p), -1) for p in group["params"]]
-        values += [-1, *sorted(i for i in held if i >= 0), -2, held.count(-1), _options_hash(group)]
-    return collectives.fingerprint(values)
+    the model, unordered within a group), its number of other tensors and its compared options. ``cache``: a list
+    the caller keeps, holding the membership part for the groups' current parameters (it rarely changes)."""
+    key = tuple(tuple(map(id, group["params"])) for group in optimizer.param_groups)
+    if cache and cache[0] == key:
+        membership = cache[1]
+    else:
+        membership = []
+        for group in optimizer.param_groups:
+            held = [index.get(id(p), -1) for p in group["params"]]
+            membership.append(collectives.fingerprint([*sorted(i for i in held if i >= 0), -2, held.count(-1)]))
+        if cache is not None:
+            cache[:] = [key, membership]
+    options = [_options_hash(group) for group in optimizer.param_groups]
+    return collectives.fingerprint([v for pair in zip(membership, options) for v in (-1, *pair)])
 
 
 def _compared(options: Mapping[str, Any]) -> dict[str, Any]:
@@ -175,11 +183,12 @@ def adopt(optimizer: Optimizer, merged: list[GroupView], rank: int, shards: Mapp
 
 
 def agree_on_groups(optimizer: Optimizer, index: Mapping[int, int], names: Mapping[int, str],
-                    shards: Mapping[str, Tensor], group: Optional[dist.ProcessGroup], stats: CommStats) -> bool:
+                    shards: Mapping[str, Tensor], group: Optional[dist.ProcessGroup], stats: CommStats,
+                    cache: Optional[list] = None) -> bool:
     """Every rank's ``optimizer`` holds the same groups afterwards (or every rank raised the same error); whether
     they had to be merged. Every rank must call it. ``index``/``names``: id(shard parameter) -> position / name
     in the model; ``shards``: name -> shard parameter."""
-    value = fingerprint(optimizer, index)
+    value = fingerprint(optimizer, index, cache)
     device = next(iter(shards.values())).device if shards else torch.device("cpu")
     high, low = collectives.agree(torch.tensor([value, -value], device=device), group, stats,
                                   label="agreement on the optimizer's parameter groups").tolist()

@@ -60,6 +60,7 @@ class ShardedStep:
         # the gathered parameters a unit's modules hold mid-step (what a group added then holds), to their shards
         self._shard_of = {id(storage.gathered_params[slot]): storage.shard_params[slot]
                           for _, storage, slot in where.values()}
+        self._membership: list = []  # the groups' fingerprint of membership, for their current parameters
         self.groups_merged = 0  # how many times the ranks' param groups differed and were merged
         self.on_merge: Optional[Callable[[], None]] = None  # told after each merge (the strategy's records)
         self._owners: dict[int, int] = {}  # id(shard parameter) -> the owner any plan gave it: its state is there
@@ -90,7 +91,7 @@ class ShardedStep:
             if any(id(p) in self._shard_of for p in params):
                 params[:] = [self._shard_of.get(id(p), p) for p in params]  # in place: the optimizer holds the list
         if self.groups.world_size > 1 and agree_on_groups(self.optimizer, self._index, self.names, self._shards,
-                                                          self.groups.world, self.stats):
+                                                          self.groups.world, self.stats, self._membership):
             self.groups_merged += 1
             if self.on_merge is not None:
                 self.on_merge()
