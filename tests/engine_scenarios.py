@@ -94,7 +94,8 @@ def parity_all(rank: int, world: int) -> dict[str, dict]:
     return {scenario: parity(rank, world, scenario) for scenario in sorted(SCENARIOS)}
 
 
-def parity(rank: int, world: int, scenario: str, modes=("full", "grad_op", "none"), steps=20, accumulate=1, clip=None):
+def parity(rank: int, world: int, scenario: str, modes=("full", "grad_op", "none"), steps=20, accumulate=1, clip=None,
+           offload=None):
     model_cls, kwargs = SCENARIOS[scenario]
     g = torch.Generator().manual_seed(1234)
     batches = [model_cls.batch(g, 12 * accumulate) for _ in range(steps)]
@@ -106,12 +107,12 @@ def parity(rank: int, world: int, scenario: str, modes=("full", "grad_op", "none
         ddp = DDP(reference, find_unused_parameters=scenario == "misc")
         ref_losses = train(ddp, model_cls.loss, batches, rank, world, accumulate, clip)
 
-        runtime = shard_module(sharded, sharding=mode, **kwargs)
+        runtime = shard_module(sharded, sharding=mode, offload=offload, **kwargs)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             losses = train(sharded, model_cls.loss, batches, rank, world, accumulate, clip, runtime=runtime)
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6,
-                                   msg=lambda m: f"[{scenario}/{mode}] per-step losses differ from DDP: {m}")
+                                   msg=lambda m: f"[{scenario}/{mode}/{offload}] per-step losses differ from DDP: {m}")
         full = full_state_dict(runtime, rank0_only=False)
         expected = reference.state_dict()
         assert full.keys() == expected.keys(), (full.keys(), expected.keys())

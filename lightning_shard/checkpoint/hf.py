@@ -141,7 +141,7 @@ def init_peft_adapters(runtime: Any) -> list[str]:
             values.update({f"{prefix}{path}.{n}": v for n, v in full.items()})
     if not values:
         return []
-    device = runtime.units[0].storage.shard.device
+    device = runtime.units[0].storage.device
     flat = torch.cat([v.reshape(-1) for v in values.values()]).to(device)
     if runtime.world_size > 1:  # the random draws of rank 0, on every rank
         flat = collectives.broadcast(flat, runtime.group, runtime.stats, label="broadcast of the adapters' init")

@@ -16,7 +16,7 @@ def needs_cast(unit: Unit) -> bool:
     """Floating-point inputs go in the unit's ``param_dtype`` when it computes in one lower than its masters and
     autocast is off (FSDP2's ``cast_forward_inputs``): ``F.linear(fp32 input, bf16 weight)`` would raise."""
     storage = unit.storage
-    return storage.param_dtype != storage.master_dtype and not torch.is_autocast_enabled(storage.shard.device.type)
+    return storage.param_dtype != storage.master_dtype and not torch.is_autocast_enabled(storage.device.type)
 
 
 def cast_floating(flat: list, dtype: torch.dtype) -> list:

@@ -2,6 +2,7 @@
 
 They know nothing of modules or hooks: a flat buffer goes in, a flat buffer (or a work handle) comes out.
 ``async_op=True`` returns a :class:`Pending` whose ``wait()`` is accounted as exposed communication.
+Host tensors (offloaded state) given to a backend that reads device tensors only (NCCL) go through a device copy.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ class Pending:
     keep_alive: tuple = field(default_factory=tuple)
     version_guard: Optional[Any] = None  # restores the output's autograd version once the data has landed
     label: str = ""  # what the collective was for, for error messages
+    copy_back: Optional[tuple[Tensor, Tensor]] = None  # (host result, its device copy the collective wrote)
 
     def wait(self) -> Tensor:
         if self.work is not None:
@@ -70,6 +72,10 @@ class Pending:
             self.stats.exposed_seconds += time.perf_counter() - start
             self.work = None
             self.keep_alive = ()
+        if self.copy_back is not None:
+            host, staged = self.copy_back
+            host.copy_(staged)
+            self.copy_back = None
         if self.version_guard is not None:
             self.version_guard.__exit__(None, None, None)
             self.version_guard = None
@@ -92,16 +98,39 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+_DEVICE_ONLY_BACKENDS = ("nccl",)
+
+
+@functools.lru_cache(maxsize=None)
+def _staging_device(backend: str) -> Optional[torch.device]:
+    """Where a host tensor goes before ``backend`` can read it; None where it reads host tensors."""
+    if backend in _DEVICE_ONLY_BACKENDS:
+        return torch.device("cuda", torch.cuda.current_device())
+    return None
+
+
+def on_backend_device(tensor: Tensor, group) -> Tensor:
+    """``tensor`` where ``group``'s backend reads it: a device copy of a host tensor under NCCL, else itself."""
+    if tensor.device.type != "cpu":
+        return tensor
+    device = _staging_device(str(dist.get_backend(group)))
+    return tensor if device is None else tensor.to(device)
+
+
 def _run(launch: Callable[..., Optional[dist.Work]], result: Tensor, stats: CommStats, async_op: bool,
-         keep_alive: tuple = (), label: str = "") -> Pending:
+         keep_alive: tuple = (), label: str = "", written: Optional[Tensor] = None) -> Pending:
+    """``written``: the device copy of the host ``result`` that the collective writes (see on_backend_device)."""
     stats.collectives += 1
     start = time.perf_counter()
+    copy_back = (result, written) if written is not None and written is not result else None
     with _naming_failures(label, start):
         if async_op:
-            return Pending(launch(async_op=True), result, stats, keep_alive, label=label)
+            return Pending(launch(async_op=True), result, stats, keep_alive, label=label, copy_back=copy_back)
         launch()
     stats.exposed_seconds += time.perf_counter() - start
-    return Pending(None, result, stats, label=label)
+    pending = Pending(None, result, stats, label=label, copy_back=copy_back)
+    pending.wait()
+    return pending
 
 
 def all_gather(output: Tensor, shard: Tensor, group, stats: CommStats, async_op: bool = False,
@@ -112,9 +141,10 @@ def all_gather(output: Tensor, shard: Tensor, group, stats: CommStats, async_op:
     # would fail autograd's check on tensors saved for backward. The version is restored after wait().
     guard = torch.autograd._unsafe_preserve_version_counter(output)
     stats.all_gather_bytes += output.numel() * output.element_size()
+    into, shard = on_backend_device(output, group), on_backend_device(shard, group)
     with torch.no_grad():
-        pending = _run(functools.partial(_all_gather, output, shard, group=group), output, stats, async_op, (shard,),
-                       label)
+        pending = _run(functools.partial(_all_gather, into, shard, group=group), output, stats, async_op, (shard,),
+                       label, written=into)
     pending.version_guard = guard
     if not async_op:
         pending.wait()
@@ -125,6 +155,7 @@ def reduce_scatter(flat: Tensor, group, stats: CommStats, async_op: bool = False
                    label: str = "reduce-scatter") -> Pending:
     """Sum ``flat`` over ranks; this rank receives its 1/N slice."""
     world = dist.get_world_size(group)
+    flat = on_backend_device(flat, group)
     output = flat.new_empty(flat.numel() // world)
     stats.reduce_scatter_bytes += flat.numel() * flat.element_size()
     launch = functools.partial(_reduce_scatter, output, flat, op=dist.ReduceOp.SUM, group=group)
@@ -140,16 +171,18 @@ def all_reduce(flat: Tensor, group, stats: CommStats, async_op: bool = False, la
         stats.cross_group_bytes += moved
     else:
         stats.all_reduce_bytes += moved
-    launch = functools.partial(dist.all_reduce, flat, op=op, group=group)
-    return _run(launch, flat, stats, async_op, label=label)
+    staged = on_backend_device(flat, group)
+    launch = functools.partial(dist.all_reduce, staged, op=op, group=group)
+    return _run(launch, flat, stats, async_op, label=label, written=staged)
 
 
 def all_to_all(output: Tensor, flat: Tensor, output_splits: list[int], input_splits: list[int], group,
                stats: CommStats, async_op: bool = False, label: str = "all-to-all") -> Pending:
     """Rank ``r`` receives ``flat``'s ``input_splits[r]`` elements from every rank, in rank order, into ``output``."""
     stats.all_to_all_bytes += flat.numel() * flat.element_size()
-    launch = functools.partial(dist.all_to_all_single, output, flat, output_splits, input_splits, group=group)
-    return _run(launch, output, stats, async_op, (flat,), label)
+    into, flat = on_backend_device(output, group), on_backend_device(flat, group)
+    launch = functools.partial(dist.all_to_all_single, into, flat, output_splits, input_splits, group=group)
+    return _run(launch, output, stats, async_op, (flat,), label, written=into)
 
 
 def gather_pieces(out: Optional[Tensor], piece: Tensor, bounds: list[tuple[int, int]], group, stats: CommStats,
@@ -163,20 +196,26 @@ def gather_pieces(out: Optional[Tensor], piece: Tensor, bounds: list[tuple[int, 
             assert out is not None
             lo, hi = bounds[0]
             out[lo:hi].copy_(piece)
-            works = [dist.irecv(out[lo:hi], src=ranks[r], group=group) for r, (lo, hi) in enumerate(bounds)
+            into = on_backend_device(out, group)  # out itself, unless NCCL receives into a device copy
+            works = [dist.irecv(into[lo:hi], src=ranks[r], group=group) for r, (lo, hi) in enumerate(bounds)
                      if r and hi > lo]
             for work in works:
                 work.wait()
+            if into is not out:
+                for r, (lo, hi) in enumerate(bounds):
+                    if r and hi > lo:
+                        out[lo:hi].copy_(into[lo:hi])
         elif piece.numel():
-            dist.isend(piece.contiguous(), dst=ranks[0], group=group).wait()
+            dist.isend(on_backend_device(piece.contiguous(), group), dst=ranks[0], group=group).wait()
 
 
 def broadcast(flat: Tensor, group, stats: CommStats, label: str = "broadcast") -> Tensor:
     """Rank 0's ``flat`` on every rank, in place."""
     stats.broadcast_bytes += flat.numel() * flat.element_size()
     src = dist.get_global_rank(group, 0) if group is not None else 0
-    launch = functools.partial(dist.broadcast, flat, src=src, group=group)
-    return _run(launch, flat, stats, False, label=label).result
+    staged = on_backend_device(flat, group)
+    launch = functools.partial(dist.broadcast, staged, src=src, group=group)
+    return _run(launch, flat, stats, False, label=label, written=staged).result
 
 
 def agree(flags: Tensor, group, stats: CommStats, label: str) -> Tensor:
@@ -187,8 +226,9 @@ def agree(flags: Tensor, group, stats: CommStats, label: str) -> Tensor:
 def start_agreement(flags: Tensor, group, stats: CommStats, label: str) -> Pending:
     """:func:`agree` in flight, for a check that is needed only later: ``wait()`` gives the result."""
     stats.agreements += 1
-    launch = functools.partial(dist.all_reduce, flags, op=dist.ReduceOp.MAX, group=group)
-    return _run(launch, flags, stats, True, label=label)
+    staged = on_backend_device(flags, group)
+    launch = functools.partial(dist.all_reduce, staged, op=dist.ReduceOp.MAX, group=group)
+    return _run(launch, flags, stats, True, label=label, written=staged)
 
 
 def from_every_rank(value: Any, group=None, stats: Optional[CommStats] = None,

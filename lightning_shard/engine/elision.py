@@ -65,7 +65,7 @@ class BackwardElision:
         self._saved_hooks.__exit__(None, None, None)
         self._saved_hooks = None
         if self.world_size > 1:  # a unit any rank saved is gathered on all of them
-            device = self.units[0].storage.shard.device  # NCCL reduces device tensors only
+            device = self.units[0].storage.device  # NCCL reduces device tensors only
             saved = torch.tensor([unit.saved_for_backward for unit in self.units], dtype=torch.uint8, device=device)
             collectives.agree(saved, self.group, self.stats, label="agreement on the units to gather in backward")
             for unit, flag in zip(self.units, saved.tolist()):

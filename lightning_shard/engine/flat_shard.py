@@ -37,6 +37,8 @@ class ParamSlot:
 
 
 class FlatShard:
+    offloaded = False  # the master shard in host memory, stepped there (engine/offload.py)
+
     def __init__(
         self,
         slots: list[ParamSlot],
@@ -54,16 +56,17 @@ class FlatShard:
         self.shard_start = rank * self.shard_numel
         self.master_dtype = flat.dtype
         self.param_dtype = param_dtype or flat.dtype
+        self.device = flat.device  # where the unit computes and communicates (the shard may live elsewhere)
 
         # this rank's master shard, in its own storage (the full buffer is not kept)
-        shard = flat.new_zeros(self.shard_numel)
+        shard = self._new_shard(self.shard_numel, flat.dtype)
         lo, hi = self.shard_start, min(self.shard_start + self.shard_numel, total)
         if hi > lo:
             shard[: hi - lo].copy_(flat[lo:hi])
         self.shard = shard
 
         # With one shard and no cast the gathered buffer *is* the shard: nothing to gather or free.
-        self.aliases_shard = world_size == 1 and self.param_dtype == self.master_dtype
+        self.aliases_shard = world_size == 1 and self.param_dtype == self.master_dtype and not self.offloaded
         if self.aliases_shard:
             self.gathered = self.shard
         else:
@@ -127,9 +130,26 @@ class FlatShard:
         if not self.aliases_shard:
             self.gathered.untyped_storage().resize_(0)
 
+    def _new_shard(self, numel: int, dtype: torch.dtype) -> Tensor:
+        return torch.zeros(numel, dtype=dtype, device=self.device)
+
     def shard_for_gather(self) -> Tensor:
-        """This rank's contribution to the all-gather, in the compute dtype."""
+        """This rank's contribution to the all-gather, in the compute dtype, on the compute device."""
         return self.shard.to(self.param_dtype)
+
+    def fill_gathered(self, buffer: Tensor) -> None:
+        """One rank: the gathered buffer is this rank's shard in the compute dtype."""
+        buffer.copy_(self.shard)
+
+    def shards_changed(self) -> None:
+        """The shards were written (an optimizer step, a load): copies of them elsewhere are stale."""
+
+    def grad_to_host(self, reduced: Tensor) -> Tensor:
+        """Where the reduced gradient shard is accumulated: here, where it is (offloaded: host memory)."""
+        return reduced
+
+    def await_host_grads(self) -> None:
+        """Before the host reads what :meth:`grad_to_host` returned (offloaded: its copy has landed)."""
 
     # -- module attributes --------------------------------------------------------------------------
     def use_gathered(self) -> None:
@@ -178,10 +198,11 @@ class FlatShard:
         if len(used) == len(grads) and all(grad.dtype == dtype for grad in taken):  # the usual case: one copy
             pieces = [grad.reshape(-1) for grad in taken]
         else:
-            pieces = [grad.reshape(-1).to(dtype) if grad is not None else self.shard.new_zeros(slot.numel, dtype=dtype)
+            pieces = [grad.reshape(-1).to(dtype) if grad is not None
+                      else torch.zeros(slot.numel, dtype=dtype, device=self.device)
                       for slot, grad in zip(self.slots, grads)]
         if self._padding:
-            pieces.append(self.shard.new_zeros(self._padding, dtype=dtype))
+            pieces.append(torch.zeros(self._padding, dtype=dtype, device=self.device))
         return torch.cat(pieces), used, taken
 
     @property
@@ -194,7 +215,7 @@ class FlatShard:
         shard_grad = self.shard_grad
         if shard_grad is None:
             return torch.ones((), dtype=torch.bool, device=self.shard.device)
-        return torch.isfinite(shard_grad).all()
+        return torch.isfinite(shard_grad).all()  # where the shard lives: the caller moves the flags at once
 
     def clear_grads(self) -> None:
         for param in self.shard_params:

@@ -62,7 +62,7 @@ class GatherSchedule:
             streams.reads(("shard", unit.name))
             if storage.world_size == 1:  # replicated, computing in a lower dtype: the gathered copy is a cast
                 with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buffer):  # as all_gather
-                    buffer.copy_(storage.shard)
+                    storage.fill_gathered(buffer)
                 unit.inflight = Pending(None, buffer, self.stats)
             else:
                 unit.inflight = collectives.all_gather(

@@ -93,7 +93,7 @@ class ShardRuntime(HeldUnits, RuntimeOptimizers, RuntimeNorms, ModuleGuards):
         self._step_parts: list[tuple[dict[str, float], Optional[list]]] = []
         self._last_step_stats: Optional[dict[str, float]] = None
         self._training_forward_since_step = True
-        device = units[0].storage.shard.device if units else torch.device("cpu")
+        device = units[0].storage.device if units else torch.device("cpu")
         self.streams = streams_for(device, check=os.environ.get(CHECK_STREAMS) == "1")
         self.schedule = GatherSchedule(groups.shard, self.stats, prefetch, self.streams)
         self.elision = BackwardElision(units, self.schedule, elide_backward_gathers, groups.world, self.world_size,
@@ -196,7 +196,7 @@ class ShardRuntime(HeldUnits, RuntimeOptimizers, RuntimeNorms, ModuleGuards):
         self._last_step_stats = None
         self.stats.reset()
         self.steps_done += 1
-        self.refresh_gathered()
+        self.refresh_gathered([unit for unit in self.units if unit.storage.trainable])
 
     @property
     def last_step_stats(self) -> dict[str, float]:
@@ -212,8 +212,11 @@ class ShardRuntime(HeldUnits, RuntimeOptimizers, RuntimeNorms, ModuleGuards):
             self._last_step_stats = total
         return self._last_step_stats
 
-    def refresh_gathered(self) -> None:
-        """Re-gather the units held gathered, after their shards changed (optimizer step, loading)."""
+    def refresh_gathered(self, changed: Optional[list[Unit]] = None) -> None:
+        """The shards of ``changed`` (default: every unit) were written (an optimizer step, a load): copies of them
+        are stale (offload), and the units held gathered are gathered again."""
+        for unit in self.units if changed is None else changed:
+            unit.storage.shards_changed()
         self.schedule.refresh(self.units)
 
     # -- accumulation -------------------------------------------------------------------------------

@@ -80,7 +80,7 @@ class RuntimeNorms:
     def clip_grad_norm_(self, parameters: list[Tensor], max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip by the norm over all shards, as ``torch.nn.utils.clip_grad_norm_`` on the unsharded model."""
         shards, sharded = self._shards_of(list(parameters))
-        return clip_grad_norm_(shards, sharded, max_norm, norm_type, self.units[0].storage.shard.device,
+        return clip_grad_norm_(shards, sharded, max_norm, norm_type, self.units[0].storage.device,
                                      self.groups.shard, self.stats)
 
     def grad_norms(self, norm_type: float = 2.0) -> tuple[list[str], Tensor, Tensor]:
@@ -90,7 +90,7 @@ class RuntimeNorms:
         shards, sharded = self._shards_of([p for _, p in named])
         kept = [i for i, shard in enumerate(shards) if shard.grad is not None]
         each, total = grad_norms([shards[i].grad for i in kept], [sharded[i] for i in kept], norm_type,
-                                       self.units[0].storage.shard.device, self.groups.shard, self.stats)
+                                       self.units[0].storage.device, self.groups.shard, self.stats)
         return [named[i][0] for i in kept], each, total
 
     def _shards_of(self, parameters: list[Tensor]) -> tuple[list[nn.Parameter], list[bool]]:

@@ -134,7 +134,7 @@ class GradientReducer:
         the others train is an error there, not mismatched collectives."""
         self.check_trainable()  # a step that ran no backward left its comparison unchecked
         trained = self._trained()
-        device = self.units[0].storage.shard.device  # NCCL reduces device tensors only
+        device = self.units[0].storage.device  # NCCL reduces device tensors only
         self._trainable_check = collectives.start_agreement(
             torch.tensor([trained, -trained], device=device), self.group, self.stats,
             label="agreement on the parameters to train")
@@ -182,7 +182,7 @@ class GradientReducer:
             # gradients)
             order = collectives.fingerprint([self.units.index(r.unit) for r in reduced])
             trained = self._trained()
-            device = self.units[0].storage.shard.device  # NCCL reduces device tensors only
+            device = self.units[0].storage.device  # NCCL reduces device tensors only
             checks = [trained, -trained, order, -order]
             agreed = collectives.agree(torch.tensor(used_anywhere + checks, dtype=torch.int64, device=device),
                                        self.group, self.stats, label="agreement on the parameters used").tolist()
@@ -195,6 +195,8 @@ class GradientReducer:
                     " unrelated gradients. A unit's backward ran on some ranks only (a loss term or a unit used"
                     " on some ranks' data only); every rank must run the same units' backward."
                 )
+        for r in reduced:
+            r.unit.storage.await_host_grads()
         for r in reduced:
             first = start[id(r.unit)]
             flags = used_anywhere[first : first + len(r.unit.storage.slots)]
@@ -238,8 +240,8 @@ class GradientReducer:
             if self.sync_replicas and id(r.unit) in self._unsynced:
                 unsynced = self._unsynced.pop(id(r.unit))
                 carried = r.unit.storage.take_shard_grads(unsynced)
-                if carried is not None:
-                    shard_grad.add_(carried[0].to(shard_grad.dtype))
+                if carried is not None:  # (held where the shard lives: host memory when offloaded)
+                    shard_grad.add_(carried[0].to(device=shard_grad.device, dtype=shard_grad.dtype))
                     r.used = sorted(set(r.used) | set(carried[1]))
                     r.carried = (*carried, unsynced)
             if replicating:
@@ -248,6 +250,7 @@ class GradientReducer:
                                                    " gradients", across_replicas=True)
             else:
                 r.deferred = self.groups.replicas > 1
+                r.pending.result = r.unit.storage.grad_to_host(shard_grad)
                 self.streams.writes(("reduced", r.serial))
         if replicating:
             self._replicating.append(r)
@@ -262,7 +265,7 @@ class GradientReducer:
             self._complete_oldest()
         for r in self._replicating:
             with self.streams.on("reduce"):
-                r.pending.wait()
+                r.pending.result = r.unit.storage.grad_to_host(r.pending.wait())
                 self.streams.writes(("reduced", r.serial))
             self.streams.handover("reduce", "compute")
             self._reduced.append(r)
@@ -272,6 +275,7 @@ class GradientReducer:
         """The first unit with a non-finite gradient shard on any rank (all ranks get the same answer)."""
         # on the shards' device (NCCL reduces device tensors only), read by the host once, after the all-reduce
         finite = torch.stack([unit.storage.grads_finite() for unit in self.units]).float()
+        finite = finite.to(self.units[0].storage.device)  # offloaded: computed on the host
         if self.world_size > 1:
             collectives.all_reduce(finite, self.group, self.stats, label="all-reduce of gradient finiteness",
                                    op=dist.ReduceOp.MIN).wait()

@@ -26,6 +26,7 @@ from lightning_shard.engine.flat_shard import FlatShard, ParamSlot
 from lightning_shard.engine.groups import build_groups, validate_shard_size, validate_sharding
 from lightning_shard.engine.hooks import ShardRuntime
 from lightning_shard.engine.materialize import Materializer
+from lightning_shard.engine.offload import HostShard, validate_offload
 from lightning_shard.engine.plan import UnitPlan, UnitSpec, plan_units, root_heavy_warning, validate_min_unit_size
 from lightning_shard.engine.unit import Unit
 
@@ -48,6 +49,7 @@ def shard_module(
     compile: object = False,
     shard_size: Optional[int] = None,
     mesh: Optional[DeviceMesh] = None,
+    offload: Optional[str] = None,
 ) -> ShardRuntime:
     """Shard ``module``'s parameters across ``group`` and install the hooks that gather them on use.
 
@@ -57,9 +59,12 @@ def shard_module(
     holds its shards plus at most one full unit, never the whole model. ``compile``: ``True`` or torch.compile's
     keyword arguments compile each unit's blocks (engine/compile.py). ``sharding="hybrid"``: sharded within groups
     of ``shard_size`` consecutive ranks (default: LOCAL_WORLD_SIZE, the devices per node), replicated across
-    them; or over the given 2-D ``mesh`` (replicate, shard) (engine/groups.py).
+    them; or over the given 2-D ``mesh`` (replicate, shard) (engine/groups.py). ``offload="optimizer"`` or
+    ``"params"``: the master shards, their gradients and the optimizer state in host memory, stepped by the CPU
+    (engine/offload.py).
     """
     validate_sharding(sharding)
+    offload = validate_offload(offload)
     shard_size = validate_shard_size(shard_size, sharding)
     if mesh is not None and sharding != "hybrid":
         raise ValueError(f"`mesh` is for sharding='hybrid' (a 2-D DeviceMesh: replicate, shard), not {sharding!r}.")
@@ -73,7 +78,7 @@ def shard_module(
         "reduce_dtype": reduce_dtype, "buffer_dtype": buffer_dtype, "prefetch": prefetch, "nonfinite": nonfinite,
         "elide_backward_gathers": elide_backward_gathers,
         "activation_checkpointing": _spec_names(activation_checkpointing), "broadcast_buffers": broadcast_buffers,
-        "compile": compile_options, "shard_size": shard_size,
+        "compile": compile_options, "shard_size": shard_size, "offload": offload,
     }
     existing = getattr(module, "_shard_runtime", None)
     if existing is not None:
@@ -106,7 +111,11 @@ def shard_module(
         plan.params.clear()  # the unit's full tensors go with their last reference
         if world > 1:
             dist.broadcast(flat, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-        storage = FlatShard(slots, flat, groups.shard_rank, groups.shard_size, param_dtype=param_dtype)
+        if offload is None:
+            storage = FlatShard(slots, flat, groups.shard_rank, groups.shard_size, param_dtype=param_dtype)
+        else:
+            storage = HostShard(slots, flat, groups.shard_rank, groups.shard_size, param_dtype=param_dtype,
+                                keep_on_device=offload == "optimizer")
         del flat
         storage.use_shards()
         is_root = plan.members == [""]
@@ -168,7 +177,7 @@ def _check_resharding(runtime: ShardRuntime, options: dict, group: Optional[dist
     if world != runtime.world_size:
         differ.append(f"world size {runtime.world_size} then, {world} now")
     if device is not None and runtime.units:
-        held, wanted = runtime.units[0].storage.shard.device, torch.device(device)
+        held, wanted = runtime.units[0].storage.device, torch.device(device)
         if held.type != wanted.type or (wanted.index is not None and held.index != wanted.index):
             differ.append(f"device {held} then, {wanted} now")
     if differ:

@@ -1,0 +1,160 @@
+"""CPU offload: a unit's training state in host memory, its optimizer stepped by the CPU.
+
+``offload="optimizer"`` (ZeRO-Offload): the fp32 master shard, its gradient and so the optimizer's state live in
+host memory (pinned on a GPU machine); the device keeps the shard in the compute dtype between steps, the
+all-gather's input. ``offload="params"`` (FSDP2's ``CPUOffloadPolicy``) keeps nothing of the unit on the device
+between steps: each all-gather copies the shard in, on the gather stream, ahead of use (the prefetch bound).
+
+Per step: each unit's reduced gradient shard is copied to the host on the reduce stream as soon as its reduction
+completes (overlapping the rest of backward); the host waits for the copies once, at the end of backward, and the
+optimizer steps the host shards; the next gathers copy the changed shards back.
+
+Note: the host-to-device copies read a pinned *staging* copy of the shard in the compute dtype (cast on the host:
+half the bytes over PCIe under bf16), never the master shard itself: the optimizer writes the master while copies
+may still be queued, whereas the staging copy is rewritten only after its last copy has landed. It is rewritten
+when the shard changed: after every optimizer step (units with trainable parameters), after loads, and whenever
+the shard's version counter moved (any in-place write outside ``.data``).
+
+On a CPU run the "device" is the host: the same code runs with plain host copies, which changes nothing for memory
+but lets the host-step path be tested without a GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from lightning_shard.engine.flat_shard import FlatShard, ParamSlot
+
+OFFLOAD = (None, "optimizer", "params")
+
+
+def validate_offload(value: object) -> Optional[str]:
+    if value is False:
+        return None
+    if value not in OFFLOAD:
+        raise ValueError(
+            f"`offload` must be None (everything on the device), 'optimizer' (master weights, gradients and"
+            f" optimizer state in host memory, stepped by the CPU) or 'params' (also no shard on the device"
+            f" between steps); got {value!r}.")
+    return value  # type: ignore[return-value]
+
+
+class _Landed:
+    """Whether copies issued on the device have landed: a CUDA event, or nothing to wait for on the host."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"
+        self._event: Optional[torch.cuda.Event] = None
+
+    def record(self) -> None:
+        if self._cuda:
+            self._event = torch.cuda.Event()
+            self._event.record()  # on the current stream: the one that issued the copies
+
+    def wait(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+
+
+class HostShard(FlatShard):
+    """A :class:`FlatShard` whose master shard (and so the shard parameters, their gradients and the optimizer's
+    state) lives in host memory; ``keep_on_device``: the compute-dtype shard stays on the device between steps."""
+
+    offloaded = True
+
+    def __init__(self, slots: list[ParamSlot], flat: Tensor, rank: int, world_size: int,
+                 param_dtype: Optional[torch.dtype] = None, *, keep_on_device: bool) -> None:
+        self.pinned = flat.device.type == "cuda"  # page-locked host memory, where a GPU copies from and to it
+        super().__init__(slots, flat, rank, world_size, param_dtype)
+        self.keep_on_device = keep_on_device
+        self._staging = torch.empty(self.shard_numel, dtype=self.param_dtype, pin_memory=self.pinned)
+        self._staged_version: Optional[int] = None  # the shard's version the staging copy holds; None: stale
+        self._staging_read = _Landed(self.device)  # the last copy from the staging buffer to the device
+        self._grads_landed = _Landed(self.device)
+        self._on_device: Optional[Tensor] = None  # keep_on_device: the shard in the compute dtype
+        self._on_device_version: Optional[int] = None
+
+    def _new_shard(self, numel: int, dtype: torch.dtype) -> Tensor:
+        return torch.zeros(numel, dtype=dtype, pin_memory=self.pinned)
+
+    # -- host to device -----------------------------------------------------------------------------
+    def shards_changed(self) -> None:
+        self._staged_version = None
+
+    def _staged(self) -> Tensor:
+        """The staging copy, rewritten first if the shard changed since."""
+        version = self.shard._version
+        if self._staged_version != version:
+            self._staging_read.wait()  # never rewrite what a queued copy still reads
+            self._staging.copy_(self.shard)
+            self._staged_version = version
+        return self._staging
+
+    def _to_device(self, out: Tensor) -> Tensor:
+        out.copy_(self._staged(), non_blocking=True)
+        self._staging_read.record()
+        return out
+
+    def _device_copy(self) -> Tensor:
+        """The compute-dtype shard on the device, in the current stream's order (the gather stream's)."""
+        if not self.keep_on_device:
+            return self._to_device(torch.empty(self.shard_numel, dtype=self.param_dtype, device=self.device))
+        staged = self._staged()
+        if self._on_device is None:
+            self._on_device = torch.empty(self.shard_numel, dtype=self.param_dtype, device=self.device)
+        if self._on_device_version != self._staged_version:
+            self._on_device.copy_(staged, non_blocking=True)
+            self._staging_read.record()
+            self._on_device_version = self._staged_version
+        return self._on_device
+
+    def shard_for_gather(self) -> Tensor:
+        return self._device_copy()
+
+    def fill_gathered(self, buffer: Tensor) -> None:
+        if self.keep_on_device:
+            buffer.copy_(self._device_copy())
+        else:
+            self._to_device(buffer)
+
+    # -- device to host -----------------------------------------------------------------------------
+    def grad_to_host(self, reduced: Tensor) -> Tensor:
+        """Start copying the reduced gradient shard to host memory (in the current stream's order, the reduce
+        stream's): the returned buffer is read after :meth:`await_host_grads`."""
+        host = torch.empty(reduced.numel(), dtype=reduced.dtype, pin_memory=self.pinned)
+        host.copy_(reduced, non_blocking=True)
+        self._grads_landed.record()
+        return host
+
+    def await_host_grads(self) -> None:
+        self._grads_landed.wait()
+
+    @property
+    def device_bytes(self) -> int:
+        """What this unit keeps on the device between steps."""
+        return self.shard_numel * self.gathered.element_size() if self.keep_on_device else 0
+
+
+DEVICE_ONLY_PACKAGES = ("bitsandbytes", "apex", "transformer_engine", "torchao")
+
+
+def refuse_device_only_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """With offload the optimizer steps host tensors: refuse, before the first step, one that cannot."""
+    cls = type(optimizer)
+    package = cls.__module__.split(".")[0]
+    if package in DEVICE_ONLY_PACKAGES or cls.__module__.startswith("deepspeed.ops.adam.fused_adam"):
+        raise ValueError(
+            f"lightning_shard: {cls.__name__} (from {package}) steps on the GPU only, and with `offload` the"
+            " optimizer steps the CPU's copy of the weights. Use a torch.optim optimizer (AdamW's CPU `fused=True`"
+            " runs on the CPU) or offload=None.")
+    if any(group.get("fused") for group in optimizer.param_groups):
+        from torch.optim.optimizer import _get_fused_kernels_supported_devices
+
+        if "cpu" not in _get_fused_kernels_supported_devices():
+            raise ValueError(
+                f"lightning_shard: {cls.__name__}(fused=True) has no CPU kernel in torch {torch.__version__}, and"
+                " with `offload` the optimizer steps on the CPU: use fused=False (or foreach=True), or offload=None.")
