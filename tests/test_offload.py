@@ -1,9 +1,14 @@
-"""CPU offload (issue 31): the host-step path gives the numbers of the device step, exactly on the CPU."""
+"""CPU offload (issue 31): the host-step path gives the numbers of the device step. On the CPU the offloaded and
+the plain run step the same tensors with the same kernels, so they are compared bit for bit."""
 
 from __future__ import annotations
 
-import pytest
+import warnings
 
+import pytest
+import torch
+
+from tests import offload_scenarios as scenarios
 from tests.engine_scenarios import parity
 from tests.world import run_world
 
@@ -13,3 +18,67 @@ pytestmark = pytest.mark.timeout(600)
 @pytest.mark.parametrize("offload", ["optimizer", "params"])
 def test_offloaded_training_with_clipping_and_accumulation_matches_ddp(offload):
     run_world(parity, 2, "gpt", ("full", "grad_op", "none"), 10, 2, 0.05, offload, timeout=500)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adafactor"])
+def test_a_lightning_fit_with_offload_equals_the_fit_without_bit_for_bit(optimizer):
+    report = run_world(scenarios.same_as_without, 2, optimizer, timeout=500)[0]
+    assert report["skipped"] == 1  # the non-finite step was skipped, as without offload
+    for offload, kept in (("optimizer", True), ("params", False)):
+        assert report[offload]["losses"] and report[offload]["weights"] == [], (offload, report[offload])
+        assert report[offload]["offloaded"] and report[offload]["skipped"] == 1
+        assert set(report[offload]["kept_on_device"]) == {kept}
+
+
+def test_checkpoints_move_between_offloaded_and_plain_runs_and_world_sizes(tmp_path):
+    for offload in (None, "params"):
+        for kind in ("sharded", "full"):
+            run_world(scenarios.save, 2, offload, kind, str(tmp_path), timeout=300)
+    cases = [(None, "params", "sharded"), ("params", None, "sharded"), ("params", "optimizer", "full"),
+             (None, "optimizer", "full")]
+    assert run_world(scenarios.resume, 2, cases, str(tmp_path), timeout=500)[0] == [[]] * len(cases)
+    cases = [("params", "params", "sharded"), ("params", None, "full")]  # 2 ranks -> 3
+    assert run_world(scenarios.resume, 3, cases, str(tmp_path), timeout=500)[0] == [[]] * len(cases)
+
+
+def test_a_meta_device_model_materialises_into_host_shards():
+    assert run_world(scenarios.meta_init, 2, timeout=300) == [[], []]
+
+
+def test_bad_offload_values_are_named_at_construction():
+    from lightning_shard import ShardStrategy
+
+    with pytest.raises(ValueError, match=r"`offload` must be None .*'optimizer' .*'params'.*got 'cpu'"):
+        ShardStrategy(offload="cpu")
+    assert ShardStrategy(offload=False).offload is None
+
+
+def _tiny(offload):
+    from lightning_shard.engine.shard_module import shard_module
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    return model, shard_module(model, units=["Linear"], offload=offload)
+
+
+def test_offload_on_a_cpu_run_says_it_keeps_the_same_memory():
+    with pytest.warns(UserWarning, match="offload='params' on a CPU run keeps the same memory"):
+        _tiny("params")
+
+
+def test_optimizers_that_step_on_the_gpu_only_are_refused(monkeypatch):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, runtime = _tiny("optimizer")
+    GpuOnlyAdam = type("Adam8bit", (torch.optim.AdamW,), {"__module__": "bitsandbytes.optim.adamw"})
+    with runtime.shaped_parameters():
+        optimizer = GpuOnlyAdam(model.parameters())
+    with pytest.raises(ValueError, match="Adam8bit \\(from bitsandbytes\\) steps on the GPU only"):
+        runtime.attach_optimizer(optimizer)
+    import torch.optim.optimizer as torch_optimizer
+
+    monkeypatch.setattr(torch_optimizer, "_get_fused_kernels_supported_devices", lambda: ["cuda"])
+    with runtime.shaped_parameters():
+        optimizer = torch.optim.AdamW(model.parameters(), fused=False)
+    optimizer.param_groups[0]["fused"] = True  # as a torch whose CPU has no fused kernel would have it
+    with pytest.raises(ValueError, match=r"AdamW\(fused=True\) has no CPU kernel"):
+        runtime.attach_optimizer(optimizer)

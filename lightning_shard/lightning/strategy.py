@@ -28,6 +28,7 @@ from lightning_shard.engine.activation_checkpointing import CheckpointSpec, vali
 from lightning_shard.engine.compile import refuse_with_elision, validate_compile
 from lightning_shard.engine.groups import validate_shard_size, validate_sharding
 from lightning_shard.engine.hooks import ShardRuntime
+from lightning_shard.engine.offload import validate_offload
 from lightning_shard.engine.optimizer_step import DEFAULT_STEP_GROUP_NUMEL
 from lightning_shard.engine.optimizers import WHOLE, optimizer_kind
 from lightning_shard.engine.plan import UnitSpec, validate_min_unit_size, validate_unit_size, validate_units
@@ -92,6 +93,9 @@ class ShardStrategy(ProcessGroupMixin, EvaluationHold, CheckpointState, Parallel
             directory with ``torch.distributed.checkpoint``; no rank ever holds the whole model) or ``"full"``
             (rank 0 writes one ordinary checkpoint file that loads into the plain LightningModule). Either
             kind loads on any number of ranks and under any unit policy; see ``lightning_shard.checkpoint.consolidate``.
+        offload: ``"optimizer"`` keeps the fp32 master weights, their gradients and the optimizer state in host
+            memory and steps the optimizer on the CPU (ZeRO-Offload); ``"params"`` also keeps no shard on the device
+            between steps (FSDP2's CPUOffloadPolicy). Same numbers as without; see ``engine/offload.py``.
         save_frozen: ``False`` leaves frozen parameters out of checkpoints (a LoRA run's base: a checkpoint of the
             adapter and its optimizer state), with a fingerprint of each; restoring needs the same base loaded
             first (``load_pretrained``) and refuses another one, naming the parameters that differ.
@@ -141,6 +145,7 @@ class ShardStrategy(ProcessGroupMixin, EvaluationHold, CheckpointState, Parallel
         nonfinite: Optional[str] = None,
         state_dict_type: str = "sharded",
         save_frozen: bool = True,
+        offload: Optional[str] = None,
         elementwise_optimizers: Sequence[type] = (),
         matrix_optimizers: Sequence[type] = (),
         step_group_size: int = DEFAULT_STEP_GROUP_NUMEL,
@@ -176,6 +181,7 @@ class ShardStrategy(ProcessGroupMixin, EvaluationHold, CheckpointState, Parallel
         self.nonfinite = check_nonfinite(nonfinite)
         self.state_dict_type = validate_state_dict_type(state_dict_type)
         self.save_frozen = check_flag("save_frozen", save_frozen)
+        self.offload = validate_offload(offload)
         self.elementwise_optimizers, self.matrix_optimizers = check_declared_optimizers(elementwise_optimizers,
                                                                                         matrix_optimizers)
         self.step_group_size = check_count("step_group_size", step_group_size, 1,
@@ -249,7 +255,7 @@ class ShardStrategy(ProcessGroupMixin, EvaluationHold, CheckpointState, Parallel
                 nonfinite=self.nonfinite, device=self.root_device,
                 activation_checkpointing=self.activation_checkpointing,
                 elide_backward_gathers=self.elide_backward_gathers, broadcast_buffers=self.broadcast_buffers,
-                compile=False if self.compile is None else self.compile,
+                compile=False if self.compile is None else self.compile, offload=self.offload,
                 shard_size=(self.shard_size or self.num_processes) if self.sharding == "hybrid" else None,
             )
             if from_meta and init_peft_adapters(self.runtime):  # not the generic init materialising gave them
