@@ -28,6 +28,9 @@ def estimated_and_measured(rank: int, world: int, sharding: str, options: dict, 
         if i == steps - 1:  # the optimizer state exists: measure a steady step
             live.__enter__()
             gathered = [u.storage.gathered for u in runtime.units]
+            # offload: the staging copies and the shards kept on the device (on a CPU run, all one memory)
+            gathered += [t for u in runtime.units for t in (getattr(u.storage, "_staging", None),
+                                                            getattr(u.storage, "_on_device", None)) if t is not None]
             state = [v for s in opt.state.values() for v in s.values()]
             live.track([*model.parameters(), *model.buffers(), *gathered, *state, batch])
         loss(model, batch).backward()

@@ -44,6 +44,7 @@ def estimate_config(cfg: Any) -> tuple[MemoryEstimate, int]:
         whole=optimizer in WHOLE_PARAMETER_OPTIMIZERS or optimizer in tuple(strategy.matrix_optimizers),
         step_group_numel=strategy.step_group_size,
         shard_size=(strategy.shard_size or devices) if strategy.sharding == "hybrid" else None,
+        offload=strategy.offload,
     )
     return estimate, world
 

@@ -36,6 +36,12 @@ def report_memory_estimate(runtime: ShardRuntime, optimizers: list[Optimizer], s
             f" {available / 2**30:.2f} GiB this rank's device has: expect out-of-memory. Shard over more ranks,"
             " use smaller units (unit_size), bf16, or activation_checkpointing."
         )
+    host = _host_memory_per_rank(local_ranks)
+    if estimate.host and host is not None and estimate.host > host:
+        rank_zero_warn(
+            f"lightning_shard: offload keeps an estimated {estimate.host / 2**30:.2f} GiB per rank in host memory,"
+            f" more than the {host / 2**30:.2f} GiB per rank this machine has: expect the host to run out of memory."
+        )
     return estimate
 
 
@@ -49,7 +55,11 @@ def _same_kind(optimizer: Optimizer) -> Callable[[list], Optimizer]:
 def _device_memory_per_rank(device: torch.device, local_ranks: int) -> Optional[int]:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
-    try:  # CPU ranks on one machine share its memory
+    return _host_memory_per_rank(local_ranks)
+
+
+def _host_memory_per_rank(local_ranks: int) -> Optional[int]:
+    try:  # the ranks on one machine share its memory
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(local_ranks, 1)
     except (ValueError, OSError, AttributeError):
         return None

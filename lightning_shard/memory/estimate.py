@@ -15,6 +15,10 @@ is allocated), with the chosen activation checkpointing applied. Gathered units 
 gradients in flight follow the engine's bounds: ``1 + prefetch`` units gathered under ``full`` sharding, all
 of them from forward to backward under ``grad_op``.
 
+With ``offload`` the terms split by where they live: the master shards, their gradients, a compute-dtype staging
+copy, the optimizer state and its scratch go to ``host`` (host memory, stepped by the CPU: the probes run there);
+the device keeps the compute-dtype shards (``offload="optimizer"``; none under ``"params"``) and the rest.
+
 CLI for a Hydra training config: ``python -m lightning_shard.estimate`` (``lightning_shard.app.estimate``).
 """
 
@@ -40,6 +44,7 @@ from lightning_shard.engine.activation_checkpointing import (
 from lightning_shard.engine.optimizer_step import DEFAULT_STEP_GROUP_NUMEL
 from lightning_shard.engine.plan import UnitSpec, plan_units
 from lightning_shard.engine.groups import validate_shard_size, validate_sharding
+from lightning_shard.engine.offload import validate_offload
 from lightning_shard.memory.tracker import LiveBytes
 
 MiB = 2**20
@@ -57,19 +62,31 @@ class MemoryEstimate:
     grads_in_flight: int  # unsharded gradients: the root unit's and the largest unit's
     activations: int  # saved for backward plus backward temporaries (local batch)
     step_scratch: int  # temporaries of the optimizer step
+    # offload, in host memory: master and staging shards and the optimizer state; gradient shards and step scratch
+    host_resident: int = 0
+    host_step: int = 0
+
+    @property
+    def host(self) -> int:
+        return self.host_resident + self.host_step
 
     @property
     def peak(self) -> int:
+        """On the device (with offload, ``host`` is apart)."""
         resident = self.params + self.optimizer_state + self.buffers
         # backward peaks at its start, with every activation alive: gradient shards come later, as activations go
         backward = self.activations + self.gathered + self.grads_in_flight
         return resident + max(backward, self.grads + self.step_scratch)
 
     def as_dict(self) -> dict[str, int]:
-        return {**{f.name: getattr(self, f.name) for f in fields(self)}, "peak": self.peak}
+        return {**{f.name: getattr(self, f.name) for f in fields(self)}, "peak": self.peak, "host": self.host}
 
     def table(self) -> str:
-        rows = [f"  {name:<16} {value / MiB:10.1f} MiB" for name, value in self.as_dict().items()]
+        rows = [f"  {name:<16} {value / MiB:10.1f} MiB" for name, value in self.as_dict().items()
+                if not name.startswith("host")]
+        if self.host:  # offload
+            rows[-1] += " on the device"
+            rows.append(f"  {'host':<16} {self.host / MiB:10.1f} MiB in host memory (offload)")
         return "\n".join(rows)
 
 
@@ -91,6 +108,7 @@ def estimate_memory(
     whole: bool = False,
     step_group_numel: int = DEFAULT_STEP_GROUP_NUMEL,
     shard_size: Optional[int] = None,
+    offload: Optional[str] = None,
 ) -> MemoryEstimate:
     """Predict one rank's peak memory for training ``model`` sharded over ``world_size`` ranks (under
     ``sharding="hybrid"``, over groups of ``shard_size``: the replicas add no memory).
@@ -101,9 +119,10 @@ def estimate_memory(
     ``optimizer`` is called like ``optimizer(params)``: an optimizer class or a ``functools.partial``.
     ``param_dtype`` is the gather/compute dtype (mixed precision), ``master_dtype`` that of the shards.
     ``whole``: the optimizer steps whole parameters on owner ranks (``engine/optimizers.py``);
-    ``step_group_numel``: the strategy's ``step_group_size``.
+    ``step_group_numel``: the strategy's ``step_group_size``; ``offload``: the strategy's.
     """
     validate_sharding(sharding)
+    offload = validate_offload(offload)
     shard_size = validate_shard_size(shard_size, sharding)
     if sharding == "hybrid" and (shard_size is None or world_size % shard_size):
         raise ValueError(f"estimate_memory: sharding='hybrid' needs `shard_size` (ranks per shard group) dividing the"
@@ -120,8 +139,9 @@ def estimate_memory(
             sizes.append(UnitSize(shard * ranks, shard, plan.members == [""], max(p.numel() for p, _ in plan.params)))
     activations = activation_bytes(model, step, batch, param_dtype, plans, spec, device) if step is not None else 0
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-    profile = optimizer_profile(optimizer, master, whole, device)
-    return combine(sizes, master, param_dtype, sharding, prefetch, profile, buffers, activations, step_group_numel)
+    profile = optimizer_profile(optimizer, master, whole, "cpu" if offload else device)
+    return combine(sizes, master, param_dtype, sharding, prefetch, profile, buffers, activations, step_group_numel,
+                   offload)
 
 
 @dataclass(frozen=True)
@@ -144,10 +164,11 @@ class OptimizerProfile:
 
 def combine(sizes: list[UnitSize], master: torch.dtype, param_dtype: torch.dtype, sharding: str, prefetch: int,
             optimizer: OptimizerProfile, buffers: int, activations: int,
-            step_group_numel: int = DEFAULT_STEP_GROUP_NUMEL) -> MemoryEstimate:
+            step_group_numel: int = DEFAULT_STEP_GROUP_NUMEL, offload: Optional[str] = None) -> MemoryEstimate:
     """The formula of the module note, from unit sizes (planned, or read off a sharded model)."""
     b_master, b_param = _size(master), _size(param_dtype)
-    aliases = all(u.padded == u.shard for u in sizes) and param_dtype == master  # gathered buffer = shard
+    # gathered buffer = shard
+    aliases = all(u.padded == u.shard for u in sizes) and param_dtype == master and offload is None
     shard_total = sum(u.shard for u in sizes)
     root = sum(u.padded for u in sizes if u.is_root)
     others = sorted((u.padded for u in sizes if not u.is_root), reverse=True)
@@ -160,6 +181,14 @@ def combine(sizes: list[UnitSize], master: torch.dtype, param_dtype: torch.dtype
     # the root's gradients build up through all of backward; a unit's until its reduction. Reductions in flight
     # are not added: they exist once units' activations are freed, which outweigh them unless activations are tiny
     grads_in_flight = ((others[0] if others else 0) + root) * b_param
+    if offload is not None:
+        state, scratch = round(shard_total * optimizer.state), step_scratch(sizes, b_master, optimizer, step_group_numel)
+        return MemoryEstimate(
+            params=(shard_total * b_param if offload == "optimizer" else 0) + root * b_param,
+            optimizer_state=0, buffers=buffers, grads=0, gathered=gathered, grads_in_flight=grads_in_flight,
+            activations=activations, step_scratch=0,
+            host_resident=shard_total * (b_master + b_param) + state, host_step=shard_total * b_master + scratch,
+        )
     return MemoryEstimate(
         params=shard_total * b_master + (0 if aliases else root * b_param),
         optimizer_state=round(shard_total * optimizer.state),
@@ -195,9 +224,10 @@ def estimate_sharded(runtime: Any, sharding: str, prefetch: int, optimizer: Call
                       max(s.numel for s in u.storage.slots)) for u in runtime.units]
     first = runtime.units[0].storage
     buffers = sum(b.numel() * b.element_size() for b in runtime.root.buffers())
-    profile = optimizer_profile(optimizer, first.master_dtype, whole, first.shard.device)
+    profile = optimizer_profile(optimizer, first.master_dtype, whole, first.shard.device)  # offloaded: the host
     return combine(sizes, first.master_dtype, first.param_dtype, sharding, prefetch, profile, buffers, 0,
-                   step_group_numel)
+                   step_group_numel, "optimizer" if first.offloaded and first.keep_on_device
+                   else "params" if first.offloaded else None)
 
 
 def activation_bytes(model: nn.Module, step: Callable[[nn.Module, Any], Tensor], batch: Any,
