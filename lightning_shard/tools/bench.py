@@ -7,7 +7,8 @@
 Strategies: each rank alone (a plain loop, no Lightning, no communication), Lightning with no strategy
 (``plain``: one device, world 1 only), Lightning's ``ddp``, torch FSDP2 (``fully_shard`` per block and on
 the model, through Lightning's ``ModelParallelStrategy``), and lightning_shard in each sharding mode (``shard_hybrid``: not by default; its shard groups are
-``--shard-size`` ranks, default half the world). Each
+``--shard-size`` ranks, default half the world; ``shard_offload_optimizer`` and ``shard_offload_params``: ``full``
+with the training state in host memory, not by default either). Each
 *round* runs every strategy once (A B C ... A B C ...) so that a noisy machine affects all of them alike;
 medians are taken over all rounds' timed steps.
 
@@ -38,8 +39,6 @@ import argparse
 import gc
 import os
 import pickle
-import platform
-import statistics
 import tempfile
 import time
 from contextlib import nullcontext
@@ -54,9 +53,11 @@ from lightning_shard.app.cli import ArgumentParser, at_least
 from lightning_shard.app.models.gpt import GPT
 from lightning_shard.app.models.lit_lm import LitLanguageModel
 from lightning_shard.tools import free_port
+from lightning_shard.tools.bench_probes import HostPeak, StepTimer, TraceSteps, sync
+from lightning_shard.tools.bench_table import COMPILED, format_table, merge_ranks
 
-EAGER_CONFIGS = ("alone", "plain", "ddp", "fsdp2", "shard_full", "shard_grad_op", "shard_hybrid", "shard_none")
-COMPILED = "_compiled"  # a config's twin with each block compiled (torch.compile per block, as torchtitan does)
+EAGER_CONFIGS = ("alone", "plain", "ddp", "fsdp2", "shard_full", "shard_grad_op", "shard_hybrid", "shard_none",
+                 "shard_offload_optimizer", "shard_offload_params")
 CONFIGS = EAGER_CONFIGS + tuple(name + COMPILED for name in EAGER_CONFIGS)
 PRECISIONS = ("32-true", "bf16-mixed")
 OPTIMIZERS = ("adamw", "muon")
@@ -125,58 +126,6 @@ def muon_and_adamw(module: torch.nn.Module) -> list[torch.optim.Optimizer]:
     return [torch.optim.Muon(hidden, lr=0.02, weight_decay=0.01), torch.optim.AdamW(rest, lr=1e-3, weight_decay=0.0)]
 
 
-def _sync(cuda: bool) -> None:
-    if cuda:  # kernels run asynchronously: without this, host times measure launches, not work
-        torch.cuda.synchronize()
-
-
-class StepTimer(L.Callback):
-    def __init__(self, cuda: bool = False) -> None:
-        self.cuda = cuda
-        self.times: list[float] = []
-        self.exposed: list[float] = []
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        _sync(self.cuda)
-        self._start = time.perf_counter()
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        _sync(self.cuda)
-        self.times.append(time.perf_counter() - self._start)
-        self.exposed.append(getattr(trainer.strategy, "comm_stats", {}).get("exposed_seconds", float("nan")))
-
-
-class TraceSteps(L.Callback):
-    """Profiles ``count`` steps from batch ``first`` on and writes them as a Chrome trace to ``path``."""
-
-    def __init__(self, path: str, first: int, count: int, cuda: bool) -> None:
-        self.path, self.first, self.count, self.cuda = path, first, count, cuda
-        self.profiler = None
-        self.step = None
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if batch_idx == self.first:
-            from torch.profiler import ProfilerActivity, profile
-
-            _sync(self.cuda)
-            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
-            self.profiler = profile(activities=activities)
-            self.profiler.start()
-        if self.profiler is not None:
-            self.step = torch.profiler.record_function(f"train step {batch_idx}")
-            self.step.__enter__()
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if self.profiler is None:
-            return
-        self.step.__exit__(None, None, None)
-        if batch_idx == self.first + self.count - 1:
-            _sync(self.cuda)
-            self.profiler.stop()
-            self.profiler.export_chrome_trace(self.path)
-            self.profiler = None
-
-
 def _model_state_mb(module: torch.nn.Module, optimizers: list) -> float:
     return model_state_bytes(module, optimizers) / 2**20
 
@@ -193,6 +142,8 @@ def _strategy(name: str, world: int, compiled: bool = False, shard_size: int | N
     if name == "fsdp2":
         # the default puts every rank on the tensor-parallel axis: all data-parallel here
         return ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
+    if name.startswith("shard_offload_"):  # full sharding, training state in host memory
+        return ShardStrategy(offload=name.removeprefix("shard_offload_"), compile=compiled)
     sharding = name.removeprefix("shard_")
     return ShardStrategy(sharding=sharding, compile=compiled, shard_size=shard_size if sharding == "hybrid" else None)
 
@@ -220,7 +171,7 @@ def _run_alone(args, precision: str, optimizer_name: str, compiled: bool = False
     times = []
     for i, batch in enumerate(_data(args, 1)):
         batch = batch.to(device)
-        _sync(cuda)
+        sync(cuda)
         start = time.perf_counter()
         for optimizer in optimizers:
             optimizer.zero_grad()
@@ -229,7 +180,7 @@ def _run_alone(args, precision: str, optimizer_name: str, compiled: bool = False
         loss.backward()
         for optimizer in optimizers:
             optimizer.step()
-        _sync(cuda)
+        sync(cuda)
         times.append(time.perf_counter() - start)
         if i + 1 == args.warmup + args.steps:
             break
@@ -246,6 +197,8 @@ def _run(name: str, args, world: int, precision: str, rank: int = 0, trace: str 
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
+    host = HostPeak()
+    host.start()
     compiled = name.endswith(COMPILED)
     name = name.removesuffix(COMPILED)
     if name == "alone":
@@ -272,6 +225,8 @@ def _run(name: str, args, world: int, precision: str, rank: int = 0, trace: str 
         estimate = getattr(trainer.strategy, "memory_estimate", None)
         result = {"times": timer.times[args.warmup :], "exposed": timer.exposed[args.warmup :],
                   "state_mb": _model_state_mb(module, trainer.optimizers), "comm": comm}
+    result["host_mb"] = host.growth_mb()
+    result["host_estimate_mb"] = estimate.host / 2**20 if estimate is not None else float("nan")
     if cuda:
         result["peak_mb"] = (torch.cuda.max_memory_allocated() - base) / 2**20
         result["base_mb"] = base / 2**20
@@ -286,8 +241,9 @@ def _estimate_with_activations(name: str, args, world: int, precision: str) -> f
 
     with torch.device("meta"):
         module = BenchLM(_gpt(args))
+    offload = name.removeprefix("shard_offload_") if name.startswith("shard_offload_") else None
     estimate = estimate_memory(
-        module, world, sharding=name.removeprefix("shard_"), param_dtype=ShardPrecision(precision).policy.param_dtype,
+        module, world, sharding="full" if offload else name.removeprefix("shard_"), offload=offload, param_dtype=ShardPrecision(precision).policy.param_dtype,
         optimizer=torch.optim.AdamW, step=lambda m, b: m._loss(b), batch=next(iter(_data(args, world))),
         device=args.device, shard_size=args.shard_size if name == "shard_hybrid" else None,
     )
@@ -326,74 +282,6 @@ def _rank_main(rank: int, world: int, args, port: int, out: str) -> None:
         _run("shard_full", args, world, args.precision[0], rank, trace=args.trace)
     with open(f"{out}.{rank}", "wb") as f:
         pickle.dump({"results": results, "estimates": estimates, "errors": errors}, f)
-
-
-def _merge(ranks: list[dict]) -> dict:
-    """Rank 0's results, with each run's peak memory the largest over the ranks."""
-    merged = ranks[0]
-    for table, configs in merged["results"].items():  # table: (precision, optimizer)
-        for name, runs in configs.items():
-            for i, run in enumerate(runs):
-                if "peak_mb" in run:
-                    run["peak_mb"] = max(r["results"][table][name][i]["peak_mb"] for r in ranks)
-                    run["base_mb"] = max(r["results"][table][name][i]["base_mb"] for r in ranks)
-    return merged
-
-
-def _table(results: dict, args, params: int, precision: str, estimates: dict, optimizer: str = "adamw") -> str:
-    cuda = args.device == "cuda"
-    rows = []
-    medians = {name: statistics.median([t for r in runs for t in r["times"]]) for name, runs in results.items()}
-    anchors = [(label, medians[name]) for name, label in (
-        ("alone", "x alone"), ("fsdp2", "x FSDP2"), ("ddp", "x DDP"), ("plain", "x plain"),
-        ("fsdp2" + COMPILED, "x FSDP2-c"), ("ddp" + COMPILED, "x DDP-c")) if name in medians]
-    header = f"{'strategy':<23}{'median step s':>14}" + "".join(f"{label:>11}" for label, _ in anchors)
-    header += f"{'gathered MB':>13}{'reduced MB':>12}{'cross-group MB':>16}{'collectives':>12}{'exposed comm s':>16}{'state MB/rank':>15}"
-    if cuda:
-        header += f"{'peak MB/rank':>14}{'est MB':>9}{'est+act MB':>12}"
-    rows.append(header)
-    rows.append("-" * len(header))
-    for name, runs in results.items():
-        comm = runs[-1]["comm"]
-        exposed = [e for r in runs for e in r["exposed"]]
-        reduced = comm.get("reduce_scatter_bytes", 0) + comm.get("all_reduce_bytes", 0) + comm.get("cross_group_bytes", 0)
-        row = f"{name:<23}{medians[name]:>14.3f}" + "".join(f"{medians[name] / anchor:>11.2f}" for _, anchor in anchors)
-        row += (
-            f"{(comm['all_gather_bytes'] / 2**20 if comm else float('nan')):>13.1f}"
-            f"{(reduced / 2**20 if comm else float('nan')):>12.1f}"
-            f"{(comm['cross_group_bytes'] / 2**20 if comm else float('nan')):>16.1f}"
-            f"{(comm['collectives'] if comm else float('nan')):>12.0f}"
-            f"{(statistics.median(exposed) if exposed and comm else float('nan')):>16.3f}"
-            f"{runs[-1]['state_mb']:>15.1f}"
-        )
-        if cuda:
-            row += (f"{max(r['peak_mb'] for r in runs):>14.1f}{runs[-1]['estimate_mb']:>9.1f}"
-                    f"{estimates.get((precision, name), float('nan')):>12.1f}")
-        rows.append(row)
-    if "plain" in medians and "shard_full" in medians:
-        ratio = medians["shard_full"] / medians["plain"]
-        rows.append(f"\nshard_full / plain: {ratio:.3f} (issue 16's target: <= 1.03) {'met' if ratio <= 1.03 else 'NOT met'}")
-    rows.append(f"\nprecision {precision}, optimizer {optimizer}; model: GPT, {params / 1e6:.1f}M parameters ({params * 4 / 2**20:.0f} MB fp32),"
-                f" depth {args.depth}, width {args.width}, seq {args.seq}, batch {args.batch}/rank, vocab {args.vocab}")
-    ranks = f"{args.world} {'CUDA' if cuda else 'gloo'} rank{'s' if args.world > 1 else ''}"
-    timing = f"{args.rounds} round{'s' if args.rounds > 1 else ''} x {args.steps} timed steps after {args.warmup} warm-up"
-    if cuda:
-        rows.append(f"{ranks} (NCCL), one GPU each; {timing}, synchronized at each step's start and end;"
-                    " comm figures are per optimizer step (nan: not measured)")
-        held = max((r["base_mb"] for runs in results.values() for r in runs), default=0.0)
-        rows.append("peak MB/rank: torch.cuda.max_memory_allocated() over a run, the largest rank's (what earlier runs"
-                    f" still held at a run's start, at most {held:.1f} MB, subtracted)")
-        rows.append("est MB: the strategy's own estimate at setup (trainer.strategy.memory_estimate.peak: shards,"
-                    " optimizer state, gathered units, gradients; no activations); est+act MB: the same with one"
-                    " batch's activations (as python -m lightning_shard.estimate)")
-        rows.append("the estimates leave out the CUDA context and NCCL's buffers, as max_memory_allocated does (and the"
-                    " caching allocator's reserve): nvidia-smi shows more")
-    else:
-        rows.append(f"{ranks}, 1 thread each; {timing}; comm figures are per optimizer step (nan: not measured)")
-    gpu = f"; {torch.cuda.get_device_name()} (CUDA {torch.version.cuda})" if cuda else ""
-    rows.append(f"machine: {platform.machine()}, {os.cpu_count()} cores, {platform.platform()}{gpu}; python"
-                f" {platform.python_version()}, torch {torch.__version__}, lightning {L.__version__}")
-    return "\n".join(rows)
 
 
 def main(argv=None) -> None:
@@ -462,8 +350,8 @@ def main(argv=None) -> None:
         for rank in range(args.world):
             with open(f"{out}.{rank}", "rb") as f:
                 ranks.append(pickle.load(f))
-    merged = _merge(ranks)
-    tables = [_table(merged["results"][p, o], args, params, p, merged["estimates"], o)
+    merged = merge_ranks(ranks)
+    tables = [format_table(merged["results"][p, o], args, params, p, merged["estimates"], o)
               for p in args.precision for o in args.optimizer]
     print("\n\n".join(tables), flush=True)
     for error in merged["errors"]:

@@ -1,0 +1,88 @@
+"""The benchmark's probes: step timing between device synchronisations, a profiler trace of chosen steps, and the
+host memory's peak over a run (``lightning_shard.tools.bench``)."""
+
+from __future__ import annotations
+
+import time
+
+import lightning as L
+import torch
+
+
+def sync(cuda: bool) -> None:
+    if cuda:  # kernels run asynchronously: without this, host times measure launches, not work
+        torch.cuda.synchronize()
+
+
+class StepTimer(L.Callback):
+    def __init__(self, cuda: bool = False) -> None:
+        self.cuda = cuda
+        self.times: list[float] = []
+        self.exposed: list[float] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        sync(self.cuda)
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        sync(self.cuda)
+        self.times.append(time.perf_counter() - self._start)
+        self.exposed.append(getattr(trainer.strategy, "comm_stats", {}).get("exposed_seconds", float("nan")))
+
+
+class TraceSteps(L.Callback):
+    """Profiles ``count`` steps from batch ``first`` on and writes them as a Chrome trace to ``path``."""
+
+    def __init__(self, path: str, first: int, count: int, cuda: bool) -> None:
+        self.path, self.first, self.count, self.cuda = path, first, count, cuda
+        self.profiler = None
+        self.step = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if batch_idx == self.first:
+            from torch.profiler import ProfilerActivity, profile
+
+            sync(self.cuda)
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+            self.profiler = profile(activities=activities)
+            self.profiler.start()
+        if self.profiler is not None:
+            self.step = torch.profiler.record_function(f"train step {batch_idx}")
+            self.step.__enter__()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.profiler is None:
+            return
+        self.step.__exit__(None, None, None)
+        if batch_idx == self.first + self.count - 1:
+            sync(self.cuda)
+            self.profiler.stop()
+            self.profiler.export_chrome_trace(self.path)
+            self.profiler = None
+
+
+class HostPeak:
+    """The process's resident memory at its highest since :meth:`start`, above what it was then, in MiB (Linux:
+    the kernel's high-water mark, reset through ``/proc/self/clear_refs``; nan elsewhere)."""
+
+    def start(self) -> None:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self._base = self._read("VmRSS")
+        except OSError:
+            self._base = float("nan")
+
+    def growth_mb(self) -> float:
+        try:
+            return (self._read("VmHWM") - self._base) / 1024
+        except OSError:
+            return float("nan")
+
+    @staticmethod
+    def _read(field: str) -> float:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return float(line.split()[1])  # kB
+        raise OSError(field)
