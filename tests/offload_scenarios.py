@@ -51,7 +51,8 @@ class OffloadedGPT(L.LightningModule):
     def configure_optimizers(self):
         if self.optimizer == "adafactor":
             return torch.optim.Adafactor(self.parameters(), lr=1e-2)
-        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
+        # an implementation chosen: offload keeps it (it picks the fused CPU kernel only where none was chosen)
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
 
 
 def _batches(rank: int, world: int, epochs: int) -> list[torch.Tensor]:
@@ -136,3 +137,27 @@ def meta_init(rank: int, world: int) -> list[str]:
     _, trainer = fit(rank, world, "params", epochs=1, meta=True)
     expected, state = _state(reference), _state(trainer)
     return [k for k in expected if not torch.equal(state[k], expected[k])]
+
+
+def fused_by_default(rank: int, world: int) -> dict:
+    """AdamW with no implementation chosen steps with the fused CPU kernel when offloaded: its weights against the
+    plain run with ``fused=True`` and with the default (for-loop), and the groups' options after the steps."""
+    from lightning_shard.engine.shard_module import shard_module
+
+    results = {}
+    for name, offload, options in (("offloaded", "params", {}), ("fused", None, {"fused": True}),
+                                   ("for-loop", None, {})):
+        torch.manual_seed(0)
+        model = TinyGPT()
+        runtime = shard_module(model, units=["Block"], offload=offload)
+        with runtime.shaped_parameters():
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, **options)
+        runtime.attach_optimizer(optimizer)
+        for step, batch in enumerate(_batches(rank, world, 1)):
+            TinyGPT.loss(model, batch, step).backward()
+            runtime.step(optimizer)
+            optimizer.zero_grad()
+        results[name] = (full_state_dict(runtime, rank0_only=False), optimizer.param_groups[0]["fused"])
+    offloaded, fused_option = results.pop("offloaded")
+    return {"fused_option_after": fused_option,
+            **{name: [k for k in state if not torch.equal(state[k], offloaded[k])] for name, (state, _) in results.items()}}

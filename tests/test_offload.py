@@ -30,6 +30,13 @@ def test_a_lightning_fit_with_offload_equals_the_fit_without_bit_for_bit(optimiz
         assert set(report[offload]["kept_on_device"]) == {kept}
 
 
+def test_adamw_with_no_implementation_chosen_steps_with_the_fused_cpu_kernel_when_offloaded():
+    report = run_world(scenarios.fused_by_default, 2, timeout=300)[0]
+    assert report["fused"] == []  # bit for bit the plain run with AdamW(fused=True)
+    assert report["for-loop"] != []  # and not the for-loop torch picks on the CPU (an ulp apart at times)
+    assert report["fused_option_after"] is None  # the user's options, what checkpoints save, are left alone
+
+
 def test_checkpoints_move_between_offloaded_and_plain_runs_and_world_sizes(tmp_path):
     for offload in (None, "params"):
         for kind in ("sharded", "full"):

@@ -21,7 +21,7 @@ from torch.optim import Optimizer
 
 from lightning_shard.engine.collectives import CommStats
 from lightning_shard.engine.groups import ShardGroups
-from lightning_shard.engine.offload import refuse_device_only_optimizer
+from lightning_shard.engine.offload import prepare_host_step
 from lightning_shard.engine.optimizer_step import DEFAULT_STEP_GROUP_NUMEL, ShardedStep
 from lightning_shard.engine.unit import Unit
 
@@ -67,11 +67,11 @@ class OptimizerAttachment:
             for i, param in enumerate(params):
                 if self._is_placeholder(param):
                     params[i] = self._placeholders[id(param)][1]  # in place: the optimizer may hold the list
-        if any(unit.storage.offloaded for unit in self.units):
-            refuse_device_only_optimizer(optimizer)
+        fused = any(unit.storage.offloaded for unit in self.units) and prepare_host_step(optimizer)
         where = {id(shard): (u, unit.storage, s) for u, unit in enumerate(self.units)
                  for s, shard in enumerate(unit.storage.shard_params)}
         step = ShardedStep(optimizer, whole, where, self.groups, self.stats, step_group_numel)
+        step.host_fused = fused
         optimizer._shard_step = step  # kept by the optimizer: it lives as long as the optimizer
         return step
 

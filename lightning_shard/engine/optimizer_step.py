@@ -32,6 +32,7 @@ from lightning_shard.engine import collectives
 from lightning_shard.engine.collectives import CommStats, Pending
 from lightning_shard.engine.flat_shard import FlatShard
 from lightning_shard.engine.groups import ShardGroups
+from lightning_shard.engine.offload import fused_where_unchosen
 from lightning_shard.engine.optimizer_groups import agree_on_groups
 from lightning_shard.engine.step_plan import OWNERS, SHARDS, VIEWS, Bucket, Entry, StepPlan, params_key, plan_step
 
@@ -64,6 +65,7 @@ class ShardedStep:
         self.groups_merged = 0  # how many times the ranks' param groups differed and were merged
         self.on_merge: Optional[Callable[[], None]] = None  # told after each merge (the strategy's records)
         self._owners: dict[int, int] = {}  # id(shard parameter) -> the owner any plan gave it: its state is there
+        self.host_fused = False  # offload: Adam/AdamW step with the fused CPU kernel where no implementation was chosen
         if whole:  # its own ``step`` would step 1-D shards, or nothing: only this one may run
             optimizer.register_step_pre_hook(self._refuse_own_step)
 
@@ -127,6 +129,8 @@ class ShardedStep:
         self.agree_on_groups()
         plan = self.plan()
         raw = functools.partial(_raw_step(optimizer), **kwargs)
+        if self.host_fused:
+            raw = _fused(raw)
         if len(plan.buckets) == 1 and plan.buckets[0].mode == SHARDS:
             raw(optimizer)  # one group holding every parameter as it is: nothing to swap
             return
@@ -273,6 +277,13 @@ def _steps_parameter_by_parameter(optimizer: Optimizer) -> bool:
     temporaries are one parameter's at a time already, and stepping in groups would only fragment host memory."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     return all(p.device.type == "cpu" for p in params) and not any(g.get("foreach") for g in optimizer.param_groups)
+
+
+def _fused(raw: Callable[[Optimizer], Any]) -> Callable[[Optimizer], Any]:
+    def step(optimizer: Optimizer) -> Any:
+        with fused_where_unchosen(optimizer):
+            return raw(optimizer)
+    return step
 
 
 def _raw_step(optimizer: Optimizer) -> Callable[[Optimizer], Any]:
