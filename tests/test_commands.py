@@ -59,6 +59,8 @@ BAD_INPUT = [  # (command, args, what its one line says); all fail before any ra
     ("lightning_shard.bench", ["--world", "4", "--configs", "shard_hybrid", "--shard-size", "3"],
      "--shard-size 3 does not divide --world 4"),
     ("lightning_shard.tools.bench_overhead", ["--blocks", "0"], "argument --blocks: must be an integer >= 1"),
+    (TRAIN, ["strategy.offload=cpu"], "`offload` must be None (everything on the device), 'optimizer'"),
+    ("lightning_shard.tools.bench_offload", ["--offload", "gpu"], "argument --offload: invalid choice: 'gpu'"),
     ("lightning_shard.app.sweep", ["no_such_dir"], "no job of 'no_such_dir' wrote a summary.json"),
 ]
 
