@@ -146,3 +146,16 @@ def test_the_estimate_is_full_sharding_over_one_group():
     assert hybrid.params < estimate_memory(model, 1, sharding="full", optimizer=torch.optim.AdamW).params
     with pytest.raises(ValueError, match="needs `shard_size`"):
         estimate_memory(model, 8, sharding="hybrid")
+
+
+def _host_group_of(rank: int, world: int, sharding: str) -> bool:
+    from lightning_shard.engine.groups import build_groups
+
+    groups = build_groups(sharding, None, 1 if sharding == "hybrid" else None, torch.device("cpu"))
+    return groups.host is None and groups.agreements is groups.world
+
+
+@pytest.mark.parametrize("sharding", ["full", "none", "hybrid"])
+def test_host_values_are_agreed_over_the_world_itself_when_it_is_gloo(sharding):
+    # beside an NCCL world the agreements get a gloo group of their own (no device sync); over gloo none is built
+    assert run_world(_host_group_of, 2, sharding, timeout=120) == [True, True]

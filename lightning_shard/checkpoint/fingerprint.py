@@ -62,10 +62,10 @@ def frozen_names(runtime: ShardRuntime, optimizers: Iterable[object] = ()) -> se
     frozen = [(slot, shard) for unit in runtime.units for slot, shard in zip(unit.storage.slots, unit.storage.shard_params)
               if not shard.requires_grad]
     states = [getattr(o, "_optimizer", o).state for o in optimizers]
-    trained = torch.tensor([any(shard in state for state in states) for _, shard in frozen], dtype=torch.int64,
-                           device=runtime.units[0].storage.device if runtime.units else "cpu")
+    trained = torch.tensor([any(shard in state for state in states) for _, shard in frozen], dtype=torch.int64)
     if runtime.world_size > 1 and len(frozen):  # whole-parameter optimizers keep a state on its owner only
-        collectives.agree(trained, runtime.group, runtime.stats, label="agreement on the parameters ever trained")
+        collectives.agree(trained, runtime.groups.agreements, runtime.stats,
+                          label="agreement on the parameters ever trained")
     return {name for (slot, _), was in zip(frozen, trained.tolist()) if not was for name in slot.names}
 
 

@@ -65,8 +65,7 @@ class BackwardElision:
         self._saved_hooks.__exit__(None, None, None)
         self._saved_hooks = None
         if self.world_size > 1:  # a unit any rank saved is gathered on all of them
-            device = self.units[0].storage.device  # NCCL reduces device tensors only
-            saved = torch.tensor([unit.saved_for_backward for unit in self.units], dtype=torch.uint8, device=device)
+            saved = torch.tensor([unit.saved_for_backward for unit in self.units], dtype=torch.uint8)  # host flags
             collectives.agree(saved, self.group, self.stats, label="agreement on the units to gather in backward")
             for unit, flag in zip(self.units, saved.tolist()):
                 unit.saved_for_backward = bool(flag)

@@ -3,7 +3,10 @@
 * the **shard group**: a unit's parameters are split over it (all-gathers, reduce-scatters, the matrix
   optimizers' owner exchanges);
 * the **replicate group**: the ranks holding the same shard, whose gradient shards are all-reduced;
-* the **world**: every rank, for the small agreements, buffers and setup broadcasts.
+* the **world**: every rank, for buffers and setup broadcasts;
+* the **host group**: every rank over gloo, for the small agreements on what the host decides (which parameters
+  were used, the trainable and param-group fingerprints): host values agreed without a device sync. Beside an
+  NCCL world it is a gloo group of its own; over gloo, the world itself.
 
 ``full``/``grad_op``: the shard group is the world, no replicas. ``none``: no shard group, every rank a replica.
 ``hybrid`` (HSDP): groups of ``shard_size`` consecutive ranks shard, the groups replicate one another. Ranks
@@ -17,6 +20,7 @@ world to ``torch.distributed``): every caller checks the size first.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -38,6 +42,12 @@ class ShardGroups:
     replicate: Optional[dist.ProcessGroup]
     replicas: int
     mesh: Optional[DeviceMesh] = None  # hybrid only
+    host: Optional[dist.ProcessGroup] = None  # a gloo group over the world's ranks, where the world is NCCL
+
+    @property
+    def agreements(self) -> Optional[dist.ProcessGroup]:
+        """Where host values (CPU tensors, objects) are agreed: never a device sync."""
+        return self.host if self.host is not None else self.world
 
     @property
     def world_size(self) -> int:
@@ -76,10 +86,23 @@ def build_groups(sharding: str, group: Optional[dist.ProcessGroup], shard_size: 
     world = dist.get_world_size(group) if distributed else 1
     rank = dist.get_rank(group) if distributed else 0
     if sharding == "hybrid":
-        return _hybrid(group, shard_size, device, mesh, world)
-    if sharding == "none":
-        return ShardGroups(group, None, 1, 0, group, world)
-    return ShardGroups(group, group, world, rank, None, 1)
+        groups = _hybrid(group, shard_size, device, mesh, world)
+    elif sharding == "none":
+        groups = ShardGroups(group, None, 1, 0, group, world)
+    else:
+        groups = ShardGroups(group, group, world, rank, None, 1)
+    return dataclasses.replace(groups, host=_host_group(group, world))
+
+
+def _host_group(group: Optional[dist.ProcessGroup], world: int) -> Optional[dist.ProcessGroup]:
+    """A gloo group over the world's ranks where the world's backend reads device tensors only (NCCL); None where
+    the world takes host tensors itself. Only for the default group: ``new_group`` must be called by every rank."""
+    if world == 1 or (group is not None and group is not dist.group.WORLD):
+        return None
+    if str(dist.get_backend(group)) != "nccl":  # gloo, or "cpu:gloo,cuda:nccl": host tensors go over gloo already
+        return None
+    timeout = _world_timeout()
+    return dist.new_group(backend="gloo", **({"timeout": timeout} if timeout is not None else {}))
 
 
 def _hybrid(group: Optional[dist.ProcessGroup], shard_size: Optional[int], device: torch.device,
@@ -118,16 +141,23 @@ def _devices_per_node() -> int:
     return int(value)
 
 
-def _with_world_timeout() -> Optional[dict[str, Any]]:
-    """The mesh's groups get the world group's timeout (``ShardStrategy(timeout=...)``): ``new_group`` would give
-    them the backend's default (30 minutes for gloo), and a dead peer would go unnoticed for that long."""
+def _world_timeout() -> Optional[timedelta]:
+    """The world group's timeout (``ShardStrategy(timeout=...)``), for the groups built beside it: ``new_group``
+    would give them the backend's default (30 minutes for gloo), and a dead peer would go unnoticed for that long."""
     try:
         backend = dist.get_backend()
         timeout = dist.group.WORLD._get_backend(torch.device("cuda" if backend == "nccl" else "cpu")).options._timeout
     except (AttributeError, RuntimeError, ValueError):
         return None
-    if not isinstance(timeout, timedelta):
+    return timeout if isinstance(timeout, timedelta) else None
+
+
+def _with_world_timeout() -> Optional[dict[str, Any]]:
+    """The mesh's groups get the world group's timeout (see :func:`_world_timeout`)."""
+    timeout = _world_timeout()
+    if timeout is None:
         return None
+    backend = dist.get_backend()
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout

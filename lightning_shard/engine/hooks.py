@@ -96,8 +96,8 @@ class ShardRuntime(HeldUnits, RuntimeOptimizers, RuntimeNorms, ModuleGuards):
         device = units[0].storage.device if units else torch.device("cpu")
         self.streams = streams_for(device, check=os.environ.get(CHECK_STREAMS) == "1")
         self.schedule = GatherSchedule(groups.shard, self.stats, prefetch, self.streams)
-        self.elision = BackwardElision(units, self.schedule, elide_backward_gathers, groups.world, self.world_size,
-                                       self.stats)
+        self.elision = BackwardElision(units, self.schedule, elide_backward_gathers, groups.agreements,
+                                       self.world_size, self.stats)
         self.reducer = GradientReducer(units, groups, reduce_dtype, self.stats, self.schedule)
         self._depth = 0  # nesting of steps / root forwards
         self._final_callback_queued = False  # a backward is running

@@ -189,8 +189,7 @@ def agree_on_groups(optimizer: Optimizer, index: Mapping[int, int], names: Mappi
     they had to be merged. Every rank must call it. ``index``/``names``: id(shard parameter) -> position / name
     in the model; ``shards``: name -> shard parameter."""
     value = fingerprint(optimizer, index, cache)
-    device = next(iter(shards.values())).device if shards else torch.device("cpu")
-    high, low = collectives.agree(torch.tensor([value, -value], device=device), group, stats,
+    high, low = collectives.agree(torch.tensor([value, -value]), group, stats,  # a host value, over the host group
                                   label="agreement on the optimizer's parameter groups").tolist()
     if high == -low:
         return False

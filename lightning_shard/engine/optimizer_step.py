@@ -93,7 +93,7 @@ class ShardedStep:
             if any(id(p) in self._shard_of for p in params):
                 params[:] = [self._shard_of.get(id(p), p) for p in params]  # in place: the optimizer holds the list
         if self.groups.world_size > 1 and agree_on_groups(self.optimizer, self._index, self.names, self._shards,
-                                                          self.groups.world, self.stats, self._membership):
+                                                          self.groups.agreements, self.stats, self._membership):
             self.groups_merged += 1
             if self.on_merge is not None:
                 self.on_merge()

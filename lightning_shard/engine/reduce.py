@@ -58,7 +58,8 @@ class GradientReducer:
                  stats: CommStats, schedule: GatherSchedule) -> None:
         self.units = units
         self.groups = groups
-        self.group = groups.world  # the agreements
+        self.group = groups.world  # finiteness (device flags)
+        self.agreements = groups.agreements  # host values: no device sync
         self.world_size = groups.world_size
         self.reduce_dtype = reduce_dtype
         self.stats = stats
@@ -134,9 +135,8 @@ class GradientReducer:
         the others train is an error there, not mismatched collectives."""
         self.check_trainable()  # a step that ran no backward left its comparison unchecked
         trained = self._trained()
-        device = self.units[0].storage.device  # NCCL reduces device tensors only
         self._trainable_check = collectives.start_agreement(
-            torch.tensor([trained, -trained], device=device), self.group, self.stats,
+            torch.tensor([trained, -trained]), self.agreements, self.stats,
             label="agreement on the parameters to train")
 
     def check_trainable(self) -> None:
@@ -182,10 +182,9 @@ class GradientReducer:
             # gradients)
             order = collectives.fingerprint([self.units.index(r.unit) for r in reduced])
             trained = self._trained()
-            device = self.units[0].storage.device  # NCCL reduces device tensors only
             checks = [trained, -trained, order, -order]
-            agreed = collectives.agree(torch.tensor(used_anywhere + checks, dtype=torch.int64, device=device),
-                                       self.group, self.stats, label="agreement on the parameters used").tolist()
+            agreed = collectives.agree(torch.tensor(used_anywhere + checks, dtype=torch.int64), self.agreements,
+                                       self.stats, label="agreement on the parameters used").tolist()
             used_anywhere, (high, low, order_high, order_low) = agreed[:-4], agreed[-4:]
             if high != -low:
                 raise _different_trainables()
