@@ -161,3 +161,43 @@ def fused_by_default(rank: int, world: int) -> dict:
     offloaded, fused_option = results.pop("offloaded")
     return {"fused_option_after": fused_option,
             **{name: [k for k in state if not torch.equal(state[k], offloaded[k])] for name, (state, _) in results.items()}}
+
+
+def _engine_fit(rank: int, world: int, offload: Optional[str], fused: bool, write_between: bool) -> tuple:
+    """The engine alone: ``fused`` AdamW (its step leaves the version counters alone); with ``write_between``, after
+    each step an evaluation forward (the staging copies are fresh then) and a weight write through ``.data``
+    (WGAN's weight clipping, an EMA swap), which no version counter sees either."""
+    from lightning_shard.engine.shard_module import shard_module
+
+    torch.manual_seed(0)
+    model = TinyGPT()
+    runtime = shard_module(model, units=["Block"], offload=offload)
+    with runtime.shaped_parameters():
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
+    runtime.attach_optimizer(optimizer)
+    losses = []
+    for step, batch in enumerate(_batches(rank, world, 1)):
+        loss = TinyGPT.loss(model, batch, step)
+        loss.backward()
+        runtime.step(optimizer)
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        # manual optimization's habit: a second forward in the same step, after the optimizer changed the shards
+        losses.append(runtime.run_step(lambda: TinyGPT.loss(model, batch, step)).item())
+        if write_between:
+            with torch.no_grad():
+                runtime.run_step(lambda: model(batch[:, :-1]))
+            for param in model.parameters():
+                param.data.clamp_(-0.05, 0.05)
+    return losses, full_state_dict(runtime, rank0_only=False)
+
+
+def written_between_steps(rank: int, world: int, fused: bool, write_between: bool) -> dict:
+    """Per offload mode: the parameters that differ from the run without offload (none expected), and whether the
+    losses are the same."""
+    losses, expected = _engine_fit(rank, world, None, fused, write_between)
+    report = {}
+    for offload in ("optimizer", "params"):
+        theirs, state = _engine_fit(rank, world, offload, fused, write_between)
+        report[offload] = (theirs == losses, [k for k in expected if not torch.equal(state[k], expected[k])])
+    return report

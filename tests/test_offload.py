@@ -30,6 +30,14 @@ def test_a_lightning_fit_with_offload_equals_the_fit_without_bit_for_bit(optimiz
         assert set(report[offload]["kept_on_device"]) == {kept}
 
 
+@pytest.mark.parametrize("fused, write_between", [(True, False), (False, True)])
+def test_writes_no_version_counter_sees_reach_the_gpu_copies(fused, write_between):
+    # fused AdamW's step and `.data` writes leave the version counters alone: the copies on the device are made
+    # again from the master at every step and after every optimizer step all the same
+    report = run_world(scenarios.written_between_steps, 2, fused, write_between, timeout=300)[0]
+    assert report == {"optimizer": (True, []), "params": (True, [])}
+
+
 def test_adamw_with_no_implementation_chosen_steps_with_the_fused_cpu_kernel_when_offloaded():
     report = run_world(scenarios.fused_by_default, 2, timeout=300)[0]
     assert report["fused"] == []  # bit for bit the plain run with AdamW(fused=True)

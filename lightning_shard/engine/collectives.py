@@ -101,20 +101,13 @@ def _rank() -> int:
 _DEVICE_ONLY_BACKENDS = ("nccl",)
 
 
-@functools.lru_cache(maxsize=None)
-def _staging_device(backend: str) -> Optional[torch.device]:
-    """Where a host tensor goes before ``backend`` can read it; None where it reads host tensors."""
-    if backend in _DEVICE_ONLY_BACKENDS:
-        return torch.device("cuda", torch.cuda.current_device())
-    return None
-
-
-def on_backend_device(tensor: Tensor, group) -> Tensor:
-    """``tensor`` where ``group``'s backend reads it: a device copy of a host tensor under NCCL, else itself."""
-    if tensor.device.type != "cpu":
+def on_backend_device(tensor: Tensor, group, values: bool = True) -> Tensor:
+    """``tensor`` where ``group``'s backend reads it: under NCCL a device copy of a host tensor (``values=False``:
+    an output, allocated there without its values), else itself."""
+    if tensor.device.type != "cpu" or str(dist.get_backend(group)) not in _DEVICE_ONLY_BACKENDS:
         return tensor
-    device = _staging_device(str(dist.get_backend(group)))
-    return tensor if device is None else tensor.to(device)
+    device = torch.device("cuda", torch.cuda.current_device())
+    return tensor.to(device) if values else torch.empty_like(tensor, device=device)
 
 
 def _run(launch: Callable[..., Optional[dist.Work]], result: Tensor, stats: CommStats, async_op: bool,
@@ -141,7 +134,7 @@ def all_gather(output: Tensor, shard: Tensor, group, stats: CommStats, async_op:
     # would fail autograd's check on tensors saved for backward. The version is restored after wait().
     guard = torch.autograd._unsafe_preserve_version_counter(output)
     stats.all_gather_bytes += output.numel() * output.element_size()
-    into, shard = on_backend_device(output, group), on_backend_device(shard, group)
+    into, shard = on_backend_device(output, group, values=False), on_backend_device(shard, group)
     with torch.no_grad():
         pending = _run(functools.partial(_all_gather, into, shard, group=group), output, stats, async_op, (shard,),
                        label, written=into)
@@ -180,7 +173,7 @@ def all_to_all(output: Tensor, flat: Tensor, output_splits: list[int], input_spl
                stats: CommStats, async_op: bool = False, label: str = "all-to-all") -> Pending:
     """Rank ``r`` receives ``flat``'s ``input_splits[r]`` elements from every rank, in rank order, into ``output``."""
     stats.all_to_all_bytes += flat.numel() * flat.element_size()
-    into, flat = on_backend_device(output, group), on_backend_device(flat, group)
+    into, flat = on_backend_device(output, group, values=False), on_backend_device(flat, group)
     launch = functools.partial(dist.all_to_all_single, into, flat, output_splits, input_splits, group=group)
     return _run(launch, output, stats, async_op, (flat,), label, written=into)
 
@@ -196,7 +189,7 @@ def gather_pieces(out: Optional[Tensor], piece: Tensor, bounds: list[tuple[int, 
             assert out is not None
             lo, hi = bounds[0]
             out[lo:hi].copy_(piece)
-            into = on_backend_device(out, group)  # out itself, unless NCCL receives into a device copy
+            into = on_backend_device(out, group, values=False)  # out itself, unless NCCL receives on the device
             works = [dist.irecv(into[lo:hi], src=ranks[r], group=group) for r, (lo, hi) in enumerate(bounds)
                      if r and hi > lo]
             for work in works:

@@ -155,6 +155,7 @@ class ShardRuntime(HeldUnits, RuntimeOptimizers, RuntimeNorms, ModuleGuards):
             # a previous step that ran no backward may have left units gathered: their data may be stale
             for unit in self.units:
                 self.schedule.reshard(unit)
+                unit.storage.shards_changed()  # offload: copied from the master again, whatever wrote it since
                 unit.backward_pending, unit.unseen_backward = 0, False
             for unit in self.units:
                 self._follow_requires_grad(unit)
@@ -186,8 +187,7 @@ class ShardRuntime(HeldUnits, RuntimeOptimizers, RuntimeNorms, ModuleGuards):
                 self.schedule.reshard(unit)
 
     def after_optimizer_step(self) -> None:
-        """Close the step's communication figures; re-gather units still gathered (manual optimization),
-        since the optimizer changed their shards."""
+        """Close the step's communication figures; re-gather units still gathered (manual optimization)."""
         self.streams.writes(*(("shard", unit.name) for unit in self.units))  # the optimizer, on compute
         if self._training_forward_since_step:  # else another optimizer of the same step (manual optimization)
             self._step_parts = []

@@ -12,8 +12,9 @@ optimizer steps the host shards; the next gathers copy the changed shards back.
 Note: the host-to-device copies read a pinned *staging* copy of the shard in the compute dtype (cast on the host:
 half the bytes over PCIe under bf16), never the master shard itself: the optimizer writes the master while copies
 may still be queued, whereas the staging copy is rewritten only after its last copy has landed. It is rewritten
-when the shard changed: after every optimizer step (units with trainable parameters), after loads, and whenever
-the shard's version counter moved (any in-place write outside ``.data``).
+from the master at the first gather of every step (whatever wrote the shards between steps: the optimizer, a load,
+a callback's ``p.data.clamp_()``), after every optimizer step (a second forward in the same step), and whenever
+the shard's version counter moved. Not counted on: fused optimizers and ``.data`` writes leave the counter alone.
 
 On a CPU run the "device" is the host: the same code runs with plain host copies, which changes nothing for memory
 but lets the host-step path be tested without a GPU.
@@ -74,26 +75,30 @@ class HostShard(FlatShard):
         super().__init__(slots, flat, rank, world_size, param_dtype)
         self.keep_on_device = keep_on_device
         self._staging = torch.empty(self.shard_numel, dtype=self.param_dtype, pin_memory=self.pinned)
-        self._staged_version: Optional[int] = None  # the shard's version the staging copy holds; None: stale
+        self._stale = True  # the shards were written since the staging copy was made (shards_changed)
+        self._staged_version = -1  # the shard's version counter when the staging copy was made
+        self._stagings = 0  # how many times the staging copy was made: what the device copy is of
         self._staging_read = _Landed(self.device)  # the last copy from the staging buffer to the device
         self._grads_landed = _Landed(self.device)
         self._on_device: Optional[Tensor] = None  # keep_on_device: the shard in the compute dtype
-        self._on_device_version: Optional[int] = None
+        self._on_device_of = -1  # the staging it copies
 
     def _new_shard(self, numel: int, dtype: torch.dtype) -> Tensor:
         return torch.zeros(numel, dtype=dtype, pin_memory=self.pinned)
 
     # -- host to device -----------------------------------------------------------------------------
     def shards_changed(self) -> None:
-        self._staged_version = None
+        self._stale = True
 
     def _staged(self) -> Tensor:
-        """The staging copy, rewritten first if the shard changed since."""
+        """The staging copy, rewritten first if the shard may have changed since (its version counter moved, or
+        :meth:`shards_changed`: fused optimizers and ``.data`` writes leave the counter alone)."""
         version = self.shard._version
-        if self._staged_version != version:
+        if self._stale or self._staged_version != version:
             self._staging_read.wait()  # never rewrite what a queued copy still reads
             self._staging.copy_(self.shard)
-            self._staged_version = version
+            self._stale, self._staged_version = False, version
+            self._stagings += 1
         return self._staging
 
     def _to_device(self, out: Tensor) -> Tensor:
@@ -108,10 +113,10 @@ class HostShard(FlatShard):
         staged = self._staged()
         if self._on_device is None:
             self._on_device = torch.empty(self.shard_numel, dtype=self.param_dtype, device=self.device)
-        if self._on_device_version != self._staged_version:
+        if self._on_device_of != self._stagings:
             self._on_device.copy_(staged, non_blocking=True)
             self._staging_read.record()
-            self._on_device_version = self._staged_version
+            self._on_device_of = self._stagings
         return self._on_device
 
     def shard_for_gather(self) -> Tensor:

@@ -80,6 +80,10 @@ class ShardedStep:
             Optimizer.profile_hook_step(self._step)(self.optimizer, **kwargs)
         finally:
             self._running = False
+            for group in self.optimizer.param_groups:  # their copies elsewhere are stale (offload)
+                for param in group["params"]:
+                    if id(param) in self.where:
+                        self.where[id(param)][1].shards_changed()
         self.optimizer._opt_called = True  # what an LR scheduler's wrapper of ``step`` notes (it warns otherwise)
         return loss
 
