@@ -205,6 +205,23 @@ class FlatShard:
             pieces.append(torch.zeros(self._padding, dtype=dtype, device=self.device))
         return torch.cat(pieces), used, taken
 
+    def hand_over_grads(self, reduce_dtype: torch.dtype) -> None:
+        """One rank and nothing to reduce: each gathered parameter's gradient becomes its shard parameter's, flattened
+        (no copy), rounded through ``reduce_dtype`` as a reduction would, or is added to the one it has: the numbers of
+        :meth:`take_unsharded_grads` then :meth:`accumulate_shard_grad`, without the flat buffer in between."""
+        for i in self.trainable:
+            gathered = self.gathered_params[i]
+            grad = gathered.grad
+            if grad is None:
+                continue
+            gathered.grad = None
+            grad = grad.reshape(-1).to(reduce_dtype).to(self.master_dtype)
+            shard = self.shard_params[i]
+            if shard.grad is None:
+                shard.grad = grad
+            else:
+                shard.grad.add_(grad)
+
     @property
     def shard_grad(self) -> Optional[Tensor]:
         """This rank's flat gradient shard, while some shard parameter's ``.grad`` still views it."""
@@ -213,9 +230,12 @@ class FlatShard:
     def grads_finite(self) -> Tensor:
         """Whether this rank's gradient shard is finite: a 0-dim flag on its device (no host sync here)."""
         shard_grad = self.shard_grad
-        if shard_grad is None:
+        if shard_grad is not None:  # one kernel over the flat gradient shard
+            return torch.isfinite(shard_grad).all()  # where the shard lives: the caller moves the flags at once
+        grads = [p.grad for p in self.shard_params if p.grad is not None]  # handed over one by one (one rank)
+        if not grads:
             return torch.ones((), dtype=torch.bool, device=self.shard.device)
-        return torch.isfinite(shard_grad).all()  # where the shard lives: the caller moves the flags at once
+        return torch.stack([torch.isfinite(g).all() for g in grads]).all()
 
     def clear_grads(self) -> None:
         for param in self.shard_params:

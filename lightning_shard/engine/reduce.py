@@ -75,6 +75,7 @@ class GradientReducer:
         self._reductions = 0  # numbers each reduction's buffers for the stream checker (a unit may reduce twice)
         self._done: set[int] = set()  # ids of units reduced in this backward
         self._trainable_check: Optional[Pending] = None  # the ranks' comparison of what they train, in flight
+        self._handed: list[Unit] = []  # one rank: units whose gradients go to their shards as they are, at the end
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -103,6 +104,9 @@ class GradientReducer:
             return
         self.check_trainable()
         self._done.add(id(unit))
+        if self.world_size == 1 and not storage.offloaded:  # nothing to reduce, nowhere to move: handed over at the end
+            self._handed.append(unit)
+            return
         while len(self._pending) >= MAX_PENDING_REDUCTIONS:  # before this unit's flattened copy is allocated
             self._complete_oldest()
         streams, serial = self.streams, self._reductions
@@ -154,6 +158,9 @@ class GradientReducer:
         then wait for every reduction and hand the gradient shards to the shard parameters."""
         for unit in self.units:
             self.reduce(unit, sweep=True)
+        for unit in self._handed:
+            unit.storage.hand_over_grads(self.reduce_dtype or unit.storage.master_dtype)
+        self._handed.clear()
         self._complete_all()
         self._done.clear()
         if self.sync_replicas and self._unsynced:  # every unit with trainable parameters was reduced: none left
@@ -226,6 +233,7 @@ class GradientReducer:
         self._pending.clear()
         self._replicating.clear()
         self._reduced.clear()
+        self._handed.clear()  # their gradients stay on the gathered parameters, which the caller clears
         self._done.clear()
 
     def _complete_oldest(self) -> None:
