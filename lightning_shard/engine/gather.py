@@ -98,7 +98,7 @@ class GatherSchedule:
             unit.storage.use_shards()
             unit.is_gathered = False
             self._gathered_storage.pop(unit.storage.gathered.untyped_storage().data_ptr(), None)
-        if unit.storage.is_allocated and not unit.storage.aliases_shard:
+        if not unit.storage.aliases_shard and unit.storage.is_allocated:
             self.gathered_bytes -= unit.storage.gathered_nbytes
             self.streams.writes(("gathered", unit.name))  # freed on compute, after every reader has been waited for
             unit.storage.free()
