@@ -94,3 +94,42 @@ def test_toggle_optimizer_inside_a_step_trains_like_one_process():
 
 def test_a_forward_on_rank_0_only_outside_the_steps_runs_no_collective():
     assert run_world(scenarios.side_forward_on_rank_0, 2, timeout=120) == [True, True]
+
+
+def test_one_rank_drops_the_gradient_of_a_parameter_frozen_during_accumulation():
+    """At one rank gradients go to the shards as they are (no reduction): one frozen between micro-batches of a
+    `no_sync` accumulation is dropped there as at any world size, not left on the gathered parameter for later."""
+    import copy
+
+    from lightning_shard.engine.shard_module import shard_module
+
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(torch.nn.Linear(5, 5), torch.nn.Tanh(), torch.nn.Linear(5, 1))
+    model = copy.deepcopy(reference)
+    runtime = shard_module(model, units=["Linear"])
+    with runtime.shaped_parameters():
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    runtime.attach_optimizer(optimizer)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    for step in range(3):
+        first, second = torch.randn(3, 5, generator=g), torch.randn(3, 5, generator=g)
+        with runtime.no_sync():
+            runtime.run_step(lambda: model(first).pow(2).mean()).backward()
+        reference(first).pow(2).mean().backward()
+        if step == 0:  # frozen after a micro-batch gave it a gradient: that gradient is dropped
+            model[0].weight.requires_grad_(False)
+            reference[0].weight.requires_grad_(False)
+            reference[0].weight.grad = None
+        runtime.run_step(lambda: model(second).pow(2).mean()).backward()
+        reference(second).pow(2).mean().backward()
+        runtime.step(optimizer)
+        reference_optimizer.step()
+        optimizer.zero_grad()
+        reference_optimizer.zero_grad()
+        model[0].weight.requires_grad_(True)
+        reference[0].weight.requires_grad_(True)
+    from lightning_shard.checkpoint.full import full_state_dict
+
+    state = full_state_dict(runtime, rank0_only=False)
+    assert all(torch.equal(state[k], v) for k, v in reference.state_dict().items())

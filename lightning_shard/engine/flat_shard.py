@@ -208,13 +208,15 @@ class FlatShard:
     def hand_over_grads(self, reduce_dtype: torch.dtype) -> None:
         """One rank and nothing to reduce: each gathered parameter's gradient becomes its shard parameter's, flattened
         (no copy), rounded through ``reduce_dtype`` as a reduction would, or is added to the one it has: the numbers of
-        :meth:`take_unsharded_grads` then :meth:`accumulate_shard_grad`, without the flat buffer in between."""
-        for i in self.trainable:
-            gathered = self.gathered_params[i]
+        :meth:`take_unsharded_grads` then :meth:`accumulate_shard_grad`, without the flat buffer in between (and, as
+        there, the gradient of a parameter frozen since it got one is dropped, not left for a later step)."""
+        for i, gathered in enumerate(self.gathered_params):
             grad = gathered.grad
             if grad is None:
                 continue
             gathered.grad = None
+            if not self.requires_grad[i]:
+                continue
             grad = grad.reshape(-1).to(reduce_dtype).to(self.master_dtype)
             shard = self.shard_params[i]
             if shard.grad is None:
