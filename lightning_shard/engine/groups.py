@@ -94,15 +94,27 @@ def build_groups(sharding: str, group: Optional[dist.ProcessGroup], shard_size: 
     return dataclasses.replace(groups, host=_host_group(group, world))
 
 
+# Set to 0 where gloo cannot connect the ranks (no usable interface; GLOO_SOCKET_IFNAME names one): the agreements
+# then go over NCCL, as device tensors read by the host (a device sync each).
+HOST_AGREEMENTS = "LIGHTNING_SHARD_HOST_AGREEMENTS"
+_host_groups: dict[int, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}  # id(world) -> (world, its gloo group)
+
+
 def _host_group(group: Optional[dist.ProcessGroup], world: int) -> Optional[dist.ProcessGroup]:
-    """A gloo group over the world's ranks where the world's backend reads device tensors only (NCCL); None where
-    the world takes host tensors itself. Only for the default group: ``new_group`` must be called by every rank."""
-    if world == 1 or (group is not None and group is not dist.group.WORLD):
+    """A gloo group over the world's ranks where the world's backend reads device tensors only (NCCL), one per world
+    (every sharded model of the process shares it); None where the world takes host tensors itself. Only for the
+    default group: ``new_group`` must be called by every rank."""
+    if world == 1 or (group is not None and group is not dist.group.WORLD) or os.environ.get(HOST_AGREEMENTS) == "0":
         return None
     if str(dist.get_backend(group)) != "nccl":  # gloo, or "cpu:gloo,cuda:nccl": host tensors go over gloo already
         return None
-    timeout = _world_timeout()
-    return dist.new_group(backend="gloo", **({"timeout": timeout} if timeout is not None else {}))
+    default = dist.group.WORLD
+    cached = _host_groups.get(id(default))
+    if cached is None or cached[0] is not default:  # (a world destroyed since, and its id reused)
+        timeout = _world_timeout()
+        cached = _host_groups[id(default)] = (
+            default, dist.new_group(backend="gloo", **({"timeout": timeout} if timeout is not None else {})))
+    return cached[1]
 
 
 def _hybrid(group: Optional[dist.ProcessGroup], shard_size: Optional[int], device: torch.device,

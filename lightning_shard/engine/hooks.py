@@ -35,6 +35,7 @@ from lightning_shard.engine.arguments import (
     needs_cast,
 )
 from lightning_shard.engine.collectives import CommStats
+from lightning_shard.engine.compile import run_eagerly
 from lightning_shard.engine.elision import BackwardElision
 from lightning_shard.engine.gather import GatherSchedule
 from lightning_shard.engine.groups import ShardGroups
@@ -231,9 +232,8 @@ class ShardRuntime(HeldUnits, RuntimeOptimizers, RuntimeNorms, ModuleGuards):
 
     # -- hooks --------------------------------------------------------------------------------------
     def _install_hooks(self) -> None:
-        # module hooks run eagerly even when reached from a compiled frame (engine/compile.py): dynamo breaks the
-        # graph at them rather than tracing collectives and the runtime's state
-        eager = torch.compiler.disable
+        # run eagerly even when reached from a compiled frame (compile.py): a graph break, not collectives traced
+        eager = run_eagerly
         for unit in self.units:
             if unit is not self.root_unit:
                 for member in unit.members:
