@@ -12,6 +12,10 @@ parameters' ``.grad``, not yet all-reduced (as DDP's ``no_sync`` leaves local gr
 ``zero_grad`` in between discards them as it would under DDP); the first backward outside takes them back out,
 adds them to its own shard and all-reduces the sum.
 
+At one rank (no shard group, no replicas) there is nothing to reduce: at the end of backward each gathered
+parameter's gradient becomes its shard's as autograd made it (``FlatShard.hand_over_grads``). Offloaded units take
+the general path, which copies each reduced gradient shard to the host as its reduction completes.
+
 Which collectives run and which gradients count is never one rank's local view: every unit with trainable
 parameters is reduced once per backward on every rank (a unit that got no gradient here contributes
 zeros), and a parameter keeps ``grad=None`` only if it got no gradient on *any* rank, agreed by one small
