@@ -60,6 +60,7 @@ class RunSummary(L.Callback):
             "model_state_mb_per_rank": model_state_bytes(pl_module, trainer.optimizers) / 2**20,
             # estimated at setup, activations excluded (python -m lightning_shard.estimate includes them)
             "estimated_mb_per_rank": estimate.peak / 2**20 if estimate is not None else None,
+            "estimated_host_mb_per_rank": estimate.host / 2**20 if estimate is not None and estimate.host else None,
             "cuda_peak_mb_per_rank": (torch.cuda.max_memory_allocated(strategy.root_device) / 2**20
                                       if strategy.root_device.type == "cuda" else None),
             "peak_gathered_mb_per_rank": runtime.schedule.peak_gathered_bytes / 2**20 if runtime is not None else None,
