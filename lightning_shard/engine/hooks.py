@@ -258,7 +258,7 @@ class ShardRuntime(HeldUnits, RuntimeOptimizers, RuntimeNorms, ModuleGuards):
         """A gradient reaching a gathered parameter means a backward is running."""
         if id(param) not in self._watched:
             self._watched.add(id(param))
-            self._handles.append(param.register_post_accumulate_grad_hook(lambda _: self._start_backward()))
+            self._handles.append(param.register_post_accumulate_grad_hook(self._start_backward))
 
     def _follow_requires_grad(self, unit: Unit) -> None:
         """Parameters frozen or unfrozen since the unit's last use (a fine-tuning callback between steps,
@@ -339,7 +339,7 @@ class ShardRuntime(HeldUnits, RuntimeOptimizers, RuntimeNorms, ModuleGuards):
         return output
 
     def _pre_backward(self, unit: Unit) -> None:
-        self._start_backward()
+        self._start_backward(None)
         if unit.reshard_after_forward and not self.elision.needs_backward_gather(unit) and not unit.is_gathered:
             if unit.inflight is None:
                 self.stats.skipped_gathers += 1
@@ -356,7 +356,7 @@ class ShardRuntime(HeldUnits, RuntimeOptimizers, RuntimeNorms, ModuleGuards):
         self.schedule.reshard(unit)  # first: its gathered buffer is free before its gradients are flattened
         self.reducer.reduce(unit)
 
-    def _start_backward(self) -> None:
+    def _start_backward(self, _param: Optional[Tensor]) -> None:  # a post-accumulate-grad hook, called per parameter
         if not self._final_callback_queued:
             self._final_callback_queued = True
             self.schedule.start_backward()
