@@ -154,6 +154,40 @@ def test_world_size_one_bf16_mixed_matches_plain_lightning(tmp_path):
                              name=f"bf16-mixed, offload={offload}")
 
 
+def test_a_training_step_makes_no_host_sync():
+    """Issue 30: the host must never wait for the GPU inside a step (bf16 gathers, norm clipping, the optimizer
+    step, zero_grad): under sync debug mode "error" any synchronizing call raises; a `.item()` is the control."""
+    from lightning_shard.engine.shard_module import shard_module
+    from tests.models import TinyGPT
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(0)
+    model = TinyGPT().to(device)
+    runtime = shard_module(model, units=["Block"], param_dtype=torch.bfloat16, device=device)
+    with runtime.shaped_parameters():
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    runtime.attach_optimizer(optimizer)
+    batch = TinyGPT.batch(torch.Generator().manual_seed(0), 8).to(device)
+
+    def step() -> None:
+        runtime.run_step(lambda: TinyGPT.loss(model, batch, 0)).backward()
+        runtime.clip_grad_norm_([p for group in optimizer.param_groups for p in group["params"]], 1.0)
+        runtime.step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(2):  # the optimizer's state and the plans are made in the first steps
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            step()
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            torch.ones((), device=device).item()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
 # -- two ranks on one GPU through gloo, the engine alone -----------------------------------------------------------
 def gloo_refuses(device: torch.device) -> str | None:
     """Why gloo cannot run the engine's collectives on ``device``'s tensors here, or None if it can."""
