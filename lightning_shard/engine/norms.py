@@ -37,10 +37,11 @@ def grad_norms(grads: list[Tensor], sharded: list[bool], norm_type: float, devic
     norm_type = check_norm_type(norm_type)
     # low-precision gradients are summed in fp32, as the unsharded fp32 reference would be; powers in fp64,
     # where a large p cannot overflow
-    local = torch.zeros(len(grads), dtype=torch.float64, device=device)
-    held = [i for i, g in enumerate(grads) if g.numel()]  # an empty shard has norm 0 (foreach's inf-norm refuses it)
-    if held:
-        local[held] = torch.stack(torch._foreach_norm([grads[i].float() for i in held], norm_type)).to(local)
+    # an empty shard has norm 0 (foreach's inf-norm refuses it): a zero stands in for it. No indexing by a host list,
+    # nor a tensor built from one on the device: each would be a copy the host waits for
+    standing = [g.float() if g.numel() else g.new_zeros(1, dtype=torch.float32) for g in grads]
+    local = (torch.stack(torch._foreach_norm(standing, norm_type)).to(device=device, dtype=torch.float64)
+             if grads else torch.zeros(0, dtype=torch.float64, device=device))
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     if world > 1 and any(sharded):
         if math.isinf(norm_type):
@@ -48,7 +49,7 @@ def grad_norms(grads: list[Tensor], sharded: list[bool], norm_type: float, devic
             collectives.all_reduce(combined, group, stats, op=dist.ReduceOp.MAX,
                                    label="all-reduce of the gradient norms").wait()
         else:
-            once = torch.tensor(sharded, device=device) | (dist.get_rank(group) == 0)
+            once = torch.tensor(sharded).to(device, non_blocking=True) | (dist.get_rank(group) == 0)
             combined = torch.where(once, local.pow(norm_type), 0.0)
             collectives.all_reduce(combined, group, stats, label="all-reduce of the gradient norms").wait()
             combined = combined.pow(1 / norm_type)
