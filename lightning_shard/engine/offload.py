@@ -140,11 +140,6 @@ class HostShard(FlatShard):
     def await_host_grads(self) -> None:
         self._grads_landed.wait()
 
-    @property
-    def device_bytes(self) -> int:
-        """What this unit keeps on the device between steps."""
-        return self.shard_numel * self.gathered.element_size() if self.keep_on_device else 0
-
 
 DEVICE_ONLY_PACKAGES = ("bitsandbytes", "apex", "transformer_engine", "torchao")
 
