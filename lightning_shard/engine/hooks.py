@@ -197,7 +197,7 @@ class ShardRuntime(HeldUnits, RuntimeOptimizers, RuntimeNorms, ModuleGuards):
         self._last_step_stats = None
         self.stats.reset()
         self.steps_done += 1
-        self.refresh_gathered([unit for unit in self.units if unit.storage.trainable])
+        self.refresh_gathered()
 
     @property
     def last_step_stats(self) -> dict[str, float]:
@@ -213,10 +213,10 @@ class ShardRuntime(HeldUnits, RuntimeOptimizers, RuntimeNorms, ModuleGuards):
             self._last_step_stats = total
         return self._last_step_stats
 
-    def refresh_gathered(self, changed: Optional[list[Unit]] = None) -> None:
-        """The shards of ``changed`` (default: every unit) were written (an optimizer step, a load): copies of them
-        are stale (offload), and the units held gathered are gathered again."""
-        for unit in self.units if changed is None else changed:
+    def refresh_gathered(self) -> None:
+        """The shards were written (an optimizer step, a load): their copies are stale (offload; every unit, frozen
+        ones too, which an optimizer's weight decay may step), and the units held gathered are gathered again."""
+        for unit in self.units:
             unit.storage.shards_changed()
         self.schedule.refresh(self.units)
 

@@ -67,8 +67,7 @@ class OptimizerAttachment:
             for i, param in enumerate(params):
                 if self._is_placeholder(param):
                     params[i] = self._placeholders[id(param)][1]  # in place: the optimizer may hold the list
-        offloaded = any(unit.storage.offloaded for unit in self.units)
-        fused = prepare_host_step(optimizer) if offloaded else None
+        fused = any(unit.storage.offloaded for unit in self.units) and prepare_host_step(optimizer)
         where = {id(shard): (u, unit.storage, s) for u, unit in enumerate(self.units)
                  for s, shard in enumerate(unit.storage.shard_params)}
         step = ShardedStep(optimizer, whole, where, self.groups, self.stats, step_group_numel)

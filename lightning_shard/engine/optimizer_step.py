@@ -65,8 +65,7 @@ class ShardedStep:
         self.groups_merged = 0  # how many times the ranks' param groups differed and were merged
         self.on_merge: Optional[Callable[[], None]] = None  # told after each merge (the strategy's records)
         self._owners: dict[int, int] = {}  # id(shard parameter) -> the owner any plan gave it: its state is there
-        # offload: whether Adam/AdamW step with the fused CPU kernel where no implementation was chosen (None: no offload)
-        self.host_fused: Optional[bool] = None
+        self.host_fused = False  # offload: Adam/AdamW step with the fused CPU kernel where no implementation was chosen
         if whole:  # its own ``step`` would step 1-D shards, or nothing: only this one may run
             optimizer.register_step_pre_hook(self._refuse_own_step)
 
@@ -81,10 +80,6 @@ class ShardedStep:
             Optimizer.profile_hook_step(self._step)(self.optimizer, **kwargs)
         finally:
             self._running = False
-            if self.host_fused is not None:  # offload: the shards' copies on the device are stale
-                for param in (p for group in self.optimizer.param_groups for p in group["params"]):
-                    if id(param) in self.where:
-                        self.where[id(param)][1].shards_changed()
         self.optimizer._opt_called = True  # what an LR scheduler's wrapper of ``step`` notes (it warns otherwise)
         return loss
 
