@@ -104,13 +104,19 @@ def _host_group(group: Optional[dist.ProcessGroup], world: int) -> Optional[dist
     """A gloo group over the world's ranks where the world's backend reads device tensors only (NCCL), one per world
     (every sharded model of the process shares it); None where the world takes host tensors itself. Only for the
     default group: ``new_group`` must be called by every rank."""
-    if world == 1 or (group is not None and group is not dist.group.WORLD) or os.environ.get(HOST_AGREEMENTS) == "0":
+    if world == 1 or (group is not None and group is not dist.group.WORLD):
         return None
     if str(dist.get_backend(group)) != "nccl":  # gloo, or "cpu:gloo,cuda:nccl": host tensors go over gloo already
         return None
     default = dist.group.WORLD
     cached = _host_groups.get(id(default))
     if cached is None or cached[0] is not default:  # (a world destroyed since, and its id reused)
+        # new_group is a collective: one rank's environment must not decide it alone
+        opted_out = torch.tensor([os.environ.get(HOST_AGREEMENTS) == "0"], dtype=torch.int32,
+                                 device=torch.device("cuda", torch.cuda.current_device()))
+        dist.all_reduce(opted_out, op=dist.ReduceOp.MAX)
+        if opted_out.item():
+            return None
         timeout = _world_timeout()
         cached = _host_groups[id(default)] = (
             default, dist.new_group(backend="gloo", **({"timeout": timeout} if timeout is not None else {})))
