@@ -210,15 +210,17 @@ class FlatShard:
         (no copy), rounded through ``reduce_dtype`` as a reduction would, or is added to the one it has: the numbers of
         :meth:`take_unsharded_grads` then :meth:`accumulate_shard_grad`, without the flat buffer in between (and, as
         there, the gradient of a parameter frozen since it got one is dropped, not left for a later step)."""
-        for i, gathered in enumerate(self.gathered_params):
+        rounds = not (reduce_dtype == self.param_dtype == self.master_dtype)  # else every cast is the identity
+        for gathered, shard, trains in zip(self.gathered_params, self.shard_params, self.requires_grad):
             grad = gathered.grad
             if grad is None:
                 continue
             gathered.grad = None
-            if not self.requires_grad[i]:
+            if not trains:
                 continue
-            grad = grad.reshape(-1).to(reduce_dtype).to(self.master_dtype)
-            shard = self.shard_params[i]
+            grad = grad.reshape(-1)
+            if rounds:
+                grad = grad.to(reduce_dtype).to(self.master_dtype)
             if shard.grad is None:
                 shard.grad = grad
             else:

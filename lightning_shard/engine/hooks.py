@@ -25,7 +25,6 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten
 
 from lightning_shard.engine.arguments import (
     cast_floating,
@@ -34,6 +33,7 @@ from lightning_shard.engine.arguments import (
     in_backward,
     needs_cast,
 )
+from lightning_shard.engine.backward_watch import watch_inputs, watch_outputs
 from lightning_shard.engine.collectives import CommStats
 from lightning_shard.engine.compile import run_eagerly
 from lightning_shard.engine.elision import BackwardElision
@@ -49,20 +49,6 @@ from lightning_shard.engine.unit import Unit
 
 # Set to 1 (the test suite does) to check on the CPU that every hand-over between streams is in place.
 CHECK_STREAMS = "LIGHTNING_SHARD_CHECK_STREAMS"
-
-
-class _PostBackward(torch.autograd.Function):
-    """Identity on a unit's inputs; its backward runs once the unit's backward has finished."""
-
-    @staticmethod
-    def forward(ctx, runtime: "ShardRuntime", unit: Unit, *inputs: Tensor):  # type: ignore[override]
-        ctx.runtime, ctx.unit = runtime, unit
-        return inputs
-
-    @staticmethod
-    def backward(ctx, *grads: Tensor):  # type: ignore[override]
-        ctx.runtime._post_backward(ctx.unit)
-        return (None, None) + grads
 
 
 class ShardRuntime(HeldUnits, RuntimeOptimizers, RuntimeNorms, ModuleGuards):
@@ -110,6 +96,8 @@ class ShardRuntime(HeldUnits, RuntimeOptimizers, RuntimeNorms, ModuleGuards):
         self._held = False  # inside keep_gathered(): every unit gathered, forwards run no collective
         self.undo: list[Callable[[], None]] = []  # restores what was wrapped at setup (activation checkpointing)
         self.optimizers = OptimizerAttachment(units, groups, self.stats)
+        for unit in units:  # one rank, computing in the shard itself: nothing to do before the end of backward
+            unit.watches_backward = not (self.world_size == 1 and unit.storage.aliases_shard)
         self._install_hooks()
 
     @property
@@ -295,21 +283,15 @@ class ShardRuntime(HeldUnits, RuntimeOptimizers, RuntimeNorms, ModuleGuards):
             if not self._final_callback_queued:  # not a recomputation inside backward
                 self.schedule.forward_reached(unit)
         cast = needs_cast(unit)
-        hook = (not self._held and torch.is_grad_enabled() and not self._recomputing_for_saved_tensors(unit))
-        if not (cast or hook):
+        watch = (unit.watches_backward and not self._held and torch.is_grad_enabled()
+                 and not self._recomputing_for_saved_tensors(unit))
+        if not (cast or watch):
             return None  # the arguments as they are
         flat, rebuild = flatten_arguments(args, kwargs)
-        if cast:
-            flat = cast_floating(flat, unit.storage.param_dtype)
-        # each tensor once: a module may test identity (`attn(h, h, h)` projects once when `query is key`)
-        inputs = list({id(x): x for x in flat if isinstance(x, Tensor) and x.requires_grad}.values()) if hook else []
-        if hook and not inputs:  # nothing to hook: the final callback reduces this unit
-            unit.unseen_backward = True
-        if inputs:
-            unit.backward_pending += 1
-            hooked = dict(zip(map(id, inputs), _PostBackward.apply(self, unit, *inputs)))
-            flat = [hooked.get(id(x), x) for x in flat]
-        return rebuild(flat) if cast or inputs else None
+        changed = cast_floating(flat, unit.storage.param_dtype) if cast else flat
+        if watch:
+            changed = watch_inputs(unit, changed, self._post_backward)
+        return rebuild(changed) if changed is not flat else None
 
     def _recomputing_for_saved_tensors(self, unit: Unit) -> bool:
         """A call inside backward of a unit whose backward is still to come: a non-reentrant checkpoint
@@ -322,20 +304,16 @@ class ShardRuntime(HeldUnits, RuntimeOptimizers, RuntimeNorms, ModuleGuards):
         grad_enabled = torch.is_grad_enabled()
         order = self.schedule.order
         # backward starts with the last unit: freeing it now would only mean gathering it again at once (kept
-        # whether or not elision would skip it: that is agreed only at the end of forward)
-        keep_for_backward = grad_enabled and bool(order) and unit is order[-1]
+        # whether or not elision would skip it: that is agreed only at the end of forward); an unwatched unit stays
+        # gathered until the end of backward (a recomputation inside it needs its parameters, and they cost nothing)
+        keep_for_backward = grad_enabled and (not unit.watches_backward or (bool(order) and unit is order[-1]))
         # a recomputation inside backward: the unit's backward follows at once and frees it
         recomputing = self._final_callback_queued
         if (module is unit.members[-1] and not keep_for_backward and not recomputing
                 and (unit.reshard_after_forward or not grad_enabled)):
             self.schedule.reshard(unit)
-        if grad_enabled and not self._recomputing_for_saved_tensors(unit):
-            flat = [output] if isinstance(output, Tensor) else tree_flatten(output)[0]
-            tensors = [x for x in flat if isinstance(x, Tensor) and x.requires_grad]
-            if len(tensors) == 1:  # a block's usual output: a plain tensor hook costs less than a multi-grad hook
-                tensors[0].register_hook(lambda _: self._pre_backward(unit))
-            elif tensors:
-                torch.autograd.graph.register_multi_grad_hook(tensors, lambda _: self._pre_backward(unit), mode="any")
+        if grad_enabled and unit.watches_backward and not self._recomputing_for_saved_tensors(unit):
+            watch_outputs(output, lambda _: self._pre_backward(unit))
         return output
 
     def _pre_backward(self, unit: Unit) -> None:

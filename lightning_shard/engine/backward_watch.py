@@ -1,0 +1,53 @@
+"""How the runtime sees a unit's backward begin and end: a hook on the gradient of the unit's outputs (its
+backward begins: gather) and an identity node on its inputs, whose backward runs once the unit's has finished
+(reduce its gradients, free). Each costs a node with a Python callback per call of the unit, the larger part of the
+engine's host time per unit; a unit whose backward has nothing to gather, free or reduce (one rank, the gathered
+buffer is the shard: :attr:`Unit.watches_backward` false) gets neither, and its gradients are handed over at the end
+of backward, which the gathered parameters' post-accumulate-grad hooks see begin."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_flatten
+
+from lightning_shard.engine.unit import Unit
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs; its backward runs once the unit's backward has finished."""
+
+    @staticmethod
+    def forward(ctx, on_end: Callable[[Unit], None], unit: Unit, *inputs: Tensor):  # type: ignore[override]
+        ctx.on_end, ctx.unit = on_end, unit
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor):  # type: ignore[override]
+        ctx.on_end(ctx.unit)
+        return (None, None) + grads
+
+
+def watch_inputs(unit: Unit, flat: list, on_end: Callable[[Unit], None]) -> list:
+    """``flat`` with its tensors that need a gradient passed through one identity node, whose backward calls
+    ``on_end(unit)``; unchanged, and the unit marked as reduced at the end of backward, when there are none."""
+    # each tensor once: a module may test identity (`attn(h, h, h)` projects once when `query is key`)
+    inputs = list({id(x): x for x in flat if isinstance(x, Tensor) and x.requires_grad}.values())
+    if not inputs:  # nothing to hook: the final callback reduces this unit
+        unit.unseen_backward = True
+        return flat
+    unit.backward_pending += 1
+    hooked = dict(zip(map(id, inputs), _PostBackward.apply(on_end, unit, *inputs)))
+    return [hooked.get(id(x), x) for x in flat]
+
+
+def watch_outputs(output: Any, on_begin: Callable[[Any], None]) -> None:
+    """Call ``on_begin`` when the gradient of any of ``output``'s tensors that need one is computed."""
+    flat = [output] if isinstance(output, Tensor) else tree_flatten(output)[0]
+    tensors = [x for x in flat if isinstance(x, Tensor) and x.requires_grad]
+    if len(tensors) == 1:  # a block's usual output: a plain tensor hook costs less than a multi-grad hook
+        tensors[0].register_hook(on_begin)
+    elif tensors:
+        torch.autograd.graph.register_multi_grad_hook(tensors, on_begin, mode="any")
