@@ -42,6 +42,7 @@ class BackwardElision:
         self.schedule = schedule
         # only units freed after forward have a backward gather to skip (not under grad_op / none)
         self.enabled = enabled and any(unit.reshard_after_forward for unit in units)
+        schedule.track_storage = self.enabled
         self.group, self.world_size, self.stats = group, world_size, stats
         self._saved_hooks: Optional[Any] = None
         self._reads: Optional[_UnsavedReads] = None

@@ -71,7 +71,11 @@ class FlatShard:
             self.gathered = self.shard
         else:
             self.gathered = torch.empty(self.padded_numel, dtype=self.param_dtype, device=flat.device)
+        # the gathered buffer under its own autograd version counter: what the engine writes into it (as an all-gather
+        # does) leaves the version of the gathered parameters, which autograd may have saved, as it was
+        self.gathered_data = self.gathered.data
 
+        self._allocated = True  # the gathered buffer has its storage (a flag: asking the storage costs more)
         self.shard_ranges = [self.shard_range(s) for s in slots]  # read at every step's gradient hand-over
         self._padding = self.padded_numel - sum(s.numel for s in slots)
         self.shard_params = [self._make_shard_param(s) for s in slots]
@@ -86,6 +90,8 @@ class FlatShard:
         self._shards_in_tree = [(parameters, attr, self.shard_params[i]) for parameters, attr, i in places]
         self.trainable = [i for i, s in enumerate(slots) if s.requires_grad]
         self.requires_grad = [s.requires_grad for s in slots]  # as last synced (see sync_requires_grad)
+        self._both_params = self.shard_params + self.gathered_params  # compared in one pass at every use of the unit
+        self._both_requires_grad = self.requires_grad * 2
         # the flat gradient shard and the shard parameters' ``.grad`` views of it, held weakly: the parameters'
         # ``.grad`` keep it alive, so ``zero_grad(set_to_none=True)`` frees it as it does without sharding
         self._shard_grad: Optional[weakref.ref] = None
@@ -114,7 +120,7 @@ class FlatShard:
     # -- gathered buffer ----------------------------------------------------------------------------
     @property
     def is_allocated(self) -> bool:
-        return self.gathered.untyped_storage().size() > 0
+        return self._allocated
 
     @property
     def gathered_nbytes(self) -> int:
@@ -122,13 +128,15 @@ class FlatShard:
 
     def allocate(self) -> Tensor:
         """Give the gathered buffer its storage back; returns the buffer to gather into."""
-        if not self.is_allocated:
+        if not self._allocated:
             self.gathered.untyped_storage().resize_(self.padded_numel * self.gathered.element_size())
+            self._allocated = True
         return self.gathered
 
     def free(self) -> None:
         if not self.aliases_shard:
             self.gathered.untyped_storage().resize_(0)
+            self._allocated = False
 
     def _new_shard(self, numel: int, dtype: torch.dtype) -> Tensor:
         return torch.zeros(numel, dtype=dtype, device=self.device)
@@ -138,7 +146,7 @@ class FlatShard:
         return self.shard.to(self.param_dtype)
 
     def fill_gathered(self, buffer: Tensor) -> None:
-        """One rank: the gathered buffer is this rank's shard in the compute dtype."""
+        """One rank: the gathered buffer is this rank's shard in the compute dtype (``buffer``: :attr:`gathered_data`)."""
         buffer.copy_(self.shard)
 
     def shards_changed(self) -> None:
@@ -166,8 +174,7 @@ class FlatShard:
         optimizer and, between steps, ``named_parameters()`` hold: ``toggle_optimizer``, a fine-tuning callback)
         or the gathered one (registered in the tree while the unit is gathered). Returns the gathered parameters
         that became trainable. ``ParamSlot.requires_grad`` stays the value at setup."""
-        if ([p.requires_grad for p in self.shard_params] == self.requires_grad
-                and [p.requires_grad for p in self.gathered_params] == self.requires_grad):
+        if [p.requires_grad for p in self._both_params] == self._both_requires_grad:
             return []  # the usual case, checked at every use of the unit: as cheap as it gets in Python
         unfrozen, changed = [], False
         for i, (shard, gathered) in enumerate(zip(self.shard_params, self.gathered_params)):
@@ -181,6 +188,7 @@ class FlatShard:
                 changed = True
         if changed:
             self.trainable = [i for i, trains in enumerate(self.requires_grad) if trains]
+            self._both_requires_grad = self.requires_grad * 2
         return unfrozen
 
     def take_unsharded_grads(self, dtype: torch.dtype) -> tuple[Tensor, list[int], list[Tensor]]:
@@ -195,22 +203,27 @@ class FlatShard:
         taken = [grads[i] for i in used]
         for i in used:
             self.gathered_params[i].grad = None
-        if len(used) == len(grads) and all(grad.dtype == dtype for grad in taken):  # the usual case: one copy
-            pieces = [grad.reshape(-1) for grad in taken]
-        else:
-            pieces = [grad.reshape(-1).to(dtype) if grad is not None
-                      else torch.zeros(slot.numel, dtype=dtype, device=self.device)
-                      for slot, grad in zip(self.slots, grads)]
+        if len(used) == len(grads) and all(grad.dtype == taken[0].dtype for grad in taken):  # the usual case
+            pieces = [grad.reshape(-1) for grad in taken]  # one copy, then (computing in bf16) one cast
+            if self._padding:
+                pieces.append(torch.zeros(self._padding, dtype=taken[0].dtype, device=self.device))
+            return torch.cat(pieces).to(dtype), used, taken
+        pieces = [grad.reshape(-1).to(dtype) if grad is not None
+                  else torch.zeros(slot.numel, dtype=dtype, device=self.device)
+                  for slot, grad in zip(self.slots, grads)]
         if self._padding:
             pieces.append(torch.zeros(self._padding, dtype=dtype, device=self.device))
         return torch.cat(pieces), used, taken
 
     def hand_over_grads(self, reduce_dtype: torch.dtype) -> None:
-        """One rank and nothing to reduce: each gathered parameter's gradient becomes its shard parameter's, flattened
-        (no copy), rounded through ``reduce_dtype`` as a reduction would, or is added to the one it has: the numbers of
-        :meth:`take_unsharded_grads` then :meth:`accumulate_shard_grad`, without the flat buffer in between (and, as
-        there, the gradient of a parameter frozen since it got one is dropped, not left for a later step)."""
-        rounds = not (reduce_dtype == self.param_dtype == self.master_dtype)  # else every cast is the identity
+        """One rank and nothing to reduce: the numbers of :meth:`take_unsharded_grads` then
+        :meth:`accumulate_shard_grad` (the gradient of a parameter frozen since it got one is dropped, not left for a
+        later step). Computing in the master dtype, without their flat buffer: each gathered parameter's gradient
+        becomes its shard parameter's, flattened (no copy), or is added to the one it has."""
+        if not (reduce_dtype == self.param_dtype == self.master_dtype):  # a cast per unit, not one per parameter
+            flat, used, _ = self.take_unsharded_grads(reduce_dtype)
+            self.accumulate_shard_grad(flat, used)
+            return
         for gathered, shard, trains in zip(self.gathered_params, self.shard_params, self.requires_grad):
             grad = gathered.grad
             if grad is None:
@@ -219,8 +232,6 @@ class FlatShard:
             if not trains:
                 continue
             grad = grad.reshape(-1)
-            if rounds:
-                grad = grad.to(reduce_dtype).to(self.master_dtype)
             if shard.grad is None:
                 shard.grad = grad
             else:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import warnings
 from typing import Callable, Optional
 
-import torch
 import torch.distributed as dist
 
 from lightning_shard.engine import collectives
@@ -38,7 +37,8 @@ class GatherSchedule:
         self._forward_cursor = 0
         self._backward_cursor = 0
         self._warned_order_change = False
-        self._gathered_storage: dict[int, Unit] = {}  # data pointer of a gathered buffer -> its unit
+        self._gathered_storage: dict[int, Unit] = {}  # data pointer of a gathered buffer -> its unit (tracked or not)
+        self.track_storage = False  # backward elision asks which unit a saved tensor belongs to
 
     def note(self, op: str, unit: Unit) -> None:
         if self.trace is not None:
@@ -61,8 +61,7 @@ class GatherSchedule:
         with streams.on("gather"):
             streams.reads(("shard", unit.name))
             if storage.world_size == 1:  # replicated, computing in a lower dtype: the gathered copy is a cast
-                with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buffer):  # as all_gather
-                    storage.fill_gathered(buffer)
+                storage.fill_gathered(storage.gathered_data)
                 unit.inflight = Pending(None, buffer, self.stats)
             else:
                 unit.inflight = collectives.all_gather(
@@ -88,7 +87,7 @@ class GatherSchedule:
         self.streams.reads(("gathered", unit.name))
         unit.storage.use_gathered()
         unit.is_gathered = True
-        if not unit.storage.aliases_shard:
+        if self.track_storage and not unit.storage.aliases_shard:
             self._gathered_storage[unit.storage.gathered.untyped_storage().data_ptr()] = unit
 
     def reshard(self, unit: Unit) -> None:
@@ -97,7 +96,8 @@ class GatherSchedule:
         if unit.is_gathered:
             unit.storage.use_shards()
             unit.is_gathered = False
-            self._gathered_storage.pop(unit.storage.gathered.untyped_storage().data_ptr(), None)
+            if self.track_storage:
+                self._gathered_storage.pop(unit.storage.gathered.untyped_storage().data_ptr(), None)
         if not unit.storage.aliases_shard and unit.storage.is_allocated:
             self.gathered_bytes -= unit.storage.gathered_nbytes
             self.streams.writes(("gathered", unit.name))  # freed on compute, after every reader has been waited for

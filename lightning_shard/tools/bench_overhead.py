@@ -52,10 +52,12 @@ class SmallBlock(nn.Module):
 class ManySmallUnits(nn.Module):
     def __init__(self, blocks: int, width: int) -> None:
         super().__init__()
+        self.stem = nn.Linear(width, width)  # the blocks' input in the compute dtype (CPU autocast keeps LayerNorm's)
         self.blocks = nn.ModuleList(SmallBlock(width) for _ in range(blocks))
         self.head = nn.Linear(width, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
         for block in self.blocks:
             x = block(x)
         return self.head(x).mean()
@@ -100,6 +102,8 @@ def _rank_main(rank: int, world: int, args, port: int, out: str) -> None:
                             timeout=timedelta(minutes=10))
     g = torch.Generator().manual_seed(rank)
     batches = [torch.randn(args.batch, args.seq, args.width, generator=g) for _ in range(args.steps + args.warmup)]
+    mixed = args.precision == "bf16-mixed"  # as Lightning's: fp32 parameters, bf16 autocast; the engine gathers bf16
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed)
     configs = ["alone", "shard_full"] + (["shard_full merged"] if args.min_unit_size else [])
     results: dict[str, dict[str, list[float]]] = {name: {"step": [], "hooks": []} for name in configs}
     units: dict[str, int] = {}
@@ -109,7 +113,7 @@ def _rank_main(rank: int, world: int, args, port: int, out: str) -> None:
             model = ManySmallUnits(args.blocks, args.width)
             timer = None
             if name != "alone":
-                runtime = shard_module(model, sharding="full",
+                runtime = shard_module(model, sharding="full", param_dtype=torch.bfloat16 if mixed else None,
                                        min_unit_size=args.min_unit_size if name.endswith("merged") else None)
                 timer, units[name] = HookTimer(runtime), len(runtime.units)
                 opt = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -122,7 +126,9 @@ def _rank_main(rank: int, world: int, args, port: int, out: str) -> None:
             for i, batch in enumerate(batches):
                 hooks_before = timer.seconds if timer else 0.0
                 start = time.perf_counter()
-                model(batch).backward()
+                with autocast:
+                    loss = model(batch)
+                loss.backward()
                 step()
                 opt.zero_grad(set_to_none=True)
                 if i >= args.warmup:
@@ -153,6 +159,10 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=at_least(1), default=20, help="timed steps per round (default: 20)")
     parser.add_argument("--warmup", type=at_least(0), default=3, help="default: 3")
     parser.add_argument("--rounds", type=at_least(1), default=3, help="default: 3")
+    parser.add_argument("--precision", choices=["32-true", "bf16-mixed"], default="32-true",
+                        help="as Lightning's: bf16-mixed runs under bf16 autocast, and the engine gathers (at one rank:"
+                             " casts) its fp32 shards to bf16; under 32-true one rank computes in the shards themselves"
+                             " (default: 32-true)")
     parser.add_argument("--min-unit-size", type=at_least(1), default=None,
                         help="also run with the blocks merged into units of at least this many parameters")
     args = parser.parse_args(argv)
@@ -169,8 +179,8 @@ def main(argv=None) -> None:
             hooks = statistics.median(report["results"][name]["hooks"]) * 1e3
             rows.append(f"{world:>5}  {name:<17}  {units:>5}  {step:>8.2f}  {step / alone:>7.2f}  {hooks:>13.2f}"
                         f"  {hooks * 1e3 / units:>18.1f}")
-    rows.append(f"\nmodel: {args.blocks} blocks (LayerNorm, Linear {args.width}->{2 * args.width}->{args.width}),"
-                f" {params:,} parameters; batch {args.batch}x{args.seq}; SGD; rank 0's medians over {args.rounds}"
+    rows.append(f"\nmodel: a Linear, {args.blocks} blocks (LayerNorm, Linear {args.width}->{2 * args.width}->{args.width}),"
+                f" {params:,} parameters, {args.precision}; batch {args.batch}x{args.seq}; SGD; rank 0's medians over {args.rounds}"
                 f" rounds x {args.steps} steps, 1 thread per rank")
     rows.append("hooks: time in the engine's hooks less their collective waits; at 1 rank there is nothing to gather")
     print("\n".join(rows), flush=True)
