@@ -1,8 +1,12 @@
 """Mixed precision: fp32 masters, bf16 gathers and compute, fp32 reduction; a scaler that agrees."""
 
+import copy
+
 import pytest
 import torch
 
+from lightning_shard import shard_module
+from tests import models
 from tests import precision_scenarios as scenarios
 from tests.precision_scenarios import bf16_mixed_dtypes, scaler_overflow_on_one_rank
 from tests.world import run_world
@@ -33,3 +37,22 @@ def test_one_ranks_overflow_skips_the_step_everywhere(world_size):
 
 def test_bf16_params_without_autocast_cast_the_inputs():
     assert run_world(scenarios.bf16_params_without_autocast, 2, timeout=200) == [True, True]
+
+
+def test_one_rank_in_bf16_hands_over_the_bf16_gradients_cast_to_fp32():
+    """One rank, computing in bf16: each unit's gradients are cast in one flat copy as its backward ends. They must be
+    the gradients of the model in bf16, cast to fp32, exactly; a frozen parameter gets none."""
+    torch.manual_seed(0)
+    model = models.TinyGPT()
+    model.blocks[1].ln2.weight.requires_grad_(False)
+    reference = copy.deepcopy(model).to(torch.bfloat16)
+    shard_module(model, param_dtype=torch.bfloat16)
+    ids = torch.randint(0, 37, (2, 5))
+    for net in (reference, model):
+        net(ids).float().mean().backward()
+    expected = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert got.keys() == expected.keys() and "blocks.1.ln2.weight" not in got
+    for name, grad in expected.items():
+        assert got[name].dtype == torch.float32
+        assert torch.equal(got[name], grad.float().reshape(-1)), name

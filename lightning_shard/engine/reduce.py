@@ -12,8 +12,9 @@ parameters' ``.grad``, not yet all-reduced (as DDP's ``no_sync`` leaves local gr
 ``zero_grad`` in between discards them as it would under DDP); the first backward outside takes them back out,
 adds them to its own shard and all-reduces the sum.
 
-At one rank (no shard group, no replicas) there is nothing to reduce: at the end of backward each gathered
-parameter's gradient becomes its shard's as autograd made it (``FlatShard.hand_over_grads``). Offloaded units take
+At one rank (no shard group, no replicas) there is nothing to reduce (``FlatShard.hand_over_grads``): computing in the
+master dtype, each gathered parameter's gradient becomes its shard's as autograd made it, at the end of backward;
+computing in a lower one, a unit's gradients are cast in one flat copy as its backward ends. Offloaded units take
 the general path, which copies each reduced gradient shard to the host as its reduction completes.
 
 Which collectives run and which gradients count is never one rank's local view: every unit with trainable
@@ -108,8 +109,11 @@ class GradientReducer:
             return
         self.check_trainable()
         self._done.add(id(unit))
-        if self.world_size == 1 and not storage.offloaded:  # nothing to reduce, nowhere to move: handed over at the end
-            self._handed.append(unit)
+        if self.world_size == 1 and not storage.offloaded:  # nothing to reduce, nowhere to move
+            if storage.aliases_shard:  # its gradients become the shards' as they are, at the end
+                self._handed.append(unit)
+            else:  # cast to the reduce dtype now, in one flat copy: the unit's unsharded gradients are freed at once
+                storage.hand_over_grads(self.reduce_dtype or storage.master_dtype)
             return
         while len(self._pending) >= MAX_PENDING_REDUCTIONS:  # before this unit's flattened copy is allocated
             self._complete_oldest()
