@@ -1,9 +1,10 @@
 """How the runtime sees a unit's backward begin and end: a hook on the gradient of the unit's outputs (its
 backward begins: gather) and an identity node on its inputs, whose backward runs once the unit's has finished
 (reduce its gradients, free). Each costs a node with a Python callback per call of the unit, the larger part of the
-engine's host time per unit; a unit whose backward has nothing to gather, free or reduce (one rank, the gathered
-buffer is the shard: :attr:`Unit.watches_backward` false) gets neither, and its gradients are handed over at the end
-of backward, which the gathered parameters' post-accumulate-grad hooks see begin."""
+engine's host time per unit. A unit with nothing to free or reduce before the end of backward (one rank, the
+gathered buffer is the shard: :attr:`Unit.watches_backward_end` false) gets no identity node: its gradients are
+handed over, and it is freed, when the whole backward ends. It keeps the hook on its outputs, which gathers it
+again wherever something freed it before its backward (a nested backward's end, a forward under ``no_grad``)."""
 
 from __future__ import annotations
 

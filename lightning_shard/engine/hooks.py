@@ -96,8 +96,8 @@ class ShardRuntime(HeldUnits, RuntimeOptimizers, RuntimeNorms, ModuleGuards):
         self._held = False  # inside keep_gathered(): every unit gathered, forwards run no collective
         self.undo: list[Callable[[], None]] = []  # restores what was wrapped at setup (activation checkpointing)
         self.optimizers = OptimizerAttachment(units, groups, self.stats)
-        for unit in units:  # one rank, computing in the shard itself: nothing to do before the end of backward
-            unit.watches_backward = not (self.world_size == 1 and unit.storage.aliases_shard)
+        for unit in units:  # one rank, computing in the shard itself: nothing to free or reduce before backward ends
+            unit.watches_backward_end = not (self.world_size == 1 and unit.storage.aliases_shard)
         self._install_hooks()
 
     @property
@@ -283,7 +283,7 @@ class ShardRuntime(HeldUnits, RuntimeOptimizers, RuntimeNorms, ModuleGuards):
             if not self._final_callback_queued:  # not a recomputation inside backward
                 self.schedule.forward_reached(unit)
         cast = needs_cast(unit)
-        watch = (unit.watches_backward and not self._held and torch.is_grad_enabled()
+        watch = (unit.watches_backward_end and not self._held and torch.is_grad_enabled()
                  and not self._recomputing_for_saved_tensors(unit))
         if not (cast or watch):
             return None  # the arguments as they are
@@ -304,15 +304,14 @@ class ShardRuntime(HeldUnits, RuntimeOptimizers, RuntimeNorms, ModuleGuards):
         grad_enabled = torch.is_grad_enabled()
         order = self.schedule.order
         # backward starts with the last unit: freeing it now would only mean gathering it again at once (kept
-        # whether or not elision would skip it: that is agreed only at the end of forward); an unwatched unit stays
-        # gathered until the end of backward (a recomputation inside it needs its parameters, and they cost nothing)
-        keep_for_backward = grad_enabled and (not unit.watches_backward or (bool(order) and unit is order[-1]))
+        # whether or not elision would skip it: that is agreed only at the end of forward)
+        keep_for_backward = grad_enabled and bool(order) and unit is order[-1]
         # a recomputation inside backward: the unit's backward follows at once and frees it
         recomputing = self._final_callback_queued
         if (module is unit.members[-1] and not keep_for_backward and not recomputing
                 and (unit.reshard_after_forward or not grad_enabled)):
             self.schedule.reshard(unit)
-        if grad_enabled and unit.watches_backward and not self._recomputing_for_saved_tensors(unit):
+        if grad_enabled and not self._recomputing_for_saved_tensors(unit):
             watch_outputs(output, lambda _: self._pre_backward(unit))
         return output
 

@@ -22,7 +22,7 @@ class Unit:
         # a call under grad with no input needing grad (raw data into a first block): its backward cannot be seen
         # ending, so the unit is reduced at the end of backward, not when its other calls' backward ends
         self.unseen_backward = False
-        self.watches_backward = True  # its backward's start and end are hooked (backward_watch.py)
+        self.watches_backward_end = True  # its backward's end is seen as it happens, not at the end of backward
         self.saved_for_backward = True  # autograd saved its gathered parameters in this step's forward
         self.checkpointed = False  # a module reading its parameters is recomputed in backward
 

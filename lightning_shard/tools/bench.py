@@ -1,8 +1,12 @@
-"""Benchmark: the same GPT on N ranks under each strategy, runs interleaved, one table per precision.
+"""Benchmark: the same model on N ranks under each strategy, runs interleaved, one table per precision.
 
     python -m lightning_shard.bench                       # 25M-parameter GPT, 2 gloo CPU ranks
     python -m lightning_shard.bench --rounds 5 --steps 6  # more samples
     python -m lightning_shard.bench --device cuda --precision 32-true bf16-mixed --trace trace.json
+    python -m lightning_shard.bench --device cuda --world 1 --model hf-llama --precision bf16-mixed
+
+--model hf-llama: transformers' ``LlamaForCausalLM`` from a config (on cuda by default issue 30's 840M Llama:
+16 layers, hidden 2048, 4 KV heads, sequence 1024, batch 4), in place of the repository's GPT.
 
 Strategies: each rank alone (a plain loop, no Lightning, no communication), Lightning with no strategy
 (``plain``: one device, world 1 only), Lightning's ``ddp``, torch FSDP2 (``fully_shard`` per block and on
@@ -12,8 +16,9 @@ with the training state in host memory, not by default either). Each
 *round* runs every strategy once (A B C ... A B C ...) so that a noisy machine affects all of them alike;
 medians are taken over all rounds' timed steps.
 
-Default strategies: at --world 1 alone, plain and lightning_shard's modes (ddp and FSDP2 have nothing to
-compare there); at --world 2 or more alone, ddp, fsdp2 and lightning_shard's modes.
+Default strategies: at --world 1 alone, plain, fsdp2 and lightning_shard's modes (ddp has nothing to compare
+there); at --world 2 or more alone, ddp, fsdp2 and lightning_shard's modes. At --world 1 each run (a strategy in a
+round) is a fresh process, so that no run inherits another's allocator or caches (``--same-process``: one process).
 
 --device cuda: NCCL (Lightning picks it), one GPU per rank, --world defaults to the GPUs there are, and a
 larger model (depth 12, width 1024, seq 512, vocab 32000: 184M parameters). Step times are taken between
@@ -50,9 +55,8 @@ from torch.utils.data import DataLoader
 
 from lightning_shard.app.callbacks import model_state_bytes
 from lightning_shard.app.cli import ArgumentParser, at_least
-from lightning_shard.app.models.gpt import GPT
-from lightning_shard.app.models.lit_lm import LitLanguageModel
 from lightning_shard.tools import free_port
+from lightning_shard.tools.bench_models import DEFAULTS, MODELS, BenchLM, build_model, compile_blocks
 from lightning_shard.tools.bench_probes import HostPeak, StepTimer, TraceSteps, sync
 from lightning_shard.tools.bench_table import COMPILED, format_table, merge_ranks
 
@@ -62,68 +66,12 @@ CONFIGS = EAGER_CONFIGS + tuple(name + COMPILED for name in EAGER_CONFIGS)
 PRECISIONS = ("32-true", "bf16-mixed")
 OPTIMIZERS = ("adamw", "muon")
 TRACE_STEPS = 3
-# per device: the model and the number of steps (cuda: about 1-2 minutes on one H100 for both precisions)
-DEFAULTS = {
-    "cpu": {"depth": 6, "width": 512, "heads": 8, "seq": 128, "batch": 8, "vocab": 12000, "steps": 4, "warmup": 2},
-    "cuda": {"depth": 12, "width": 1024, "heads": 16, "seq": 512, "batch": 8, "vocab": 32000, "steps": 10,
-             "warmup": 3},
-}
 
 
 def default_configs(world: int) -> list[str]:
     if world == 1:
-        return ["alone", "plain", "shard_full", "shard_grad_op", "shard_none"]
+        return ["alone", "plain", "fsdp2", "shard_full", "shard_grad_op", "shard_none"]
     return ["alone", "ddp", "fsdp2", "shard_full", "shard_grad_op", "shard_none"]
-
-
-def _compile_blocks(model: GPT) -> None:
-    for block in model.blocks:
-        block.compile()
-
-
-class BenchLM(LitLanguageModel):
-    def __init__(self, model: torch.nn.Module, fsdp2: bool = False, optimizer: str = "adamw",
-                 compile_blocks: bool = False) -> None:
-        super().__init__(model, lr=1e-3, warmup_steps=1)
-        self.fsdp2 = fsdp2
-        self.compile_blocks = compile_blocks  # by the module itself (lightning_shard compiles through its option)
-        self.optimizer = optimizer
-        self.automatic_optimization = optimizer == "adamw"
-
-    def configure_optimizers(self):
-        if self.optimizer == "adamw":
-            return super().configure_optimizers()
-        return muon_and_adamw(self)
-
-    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        if self.automatic_optimization:
-            return super().training_step(batch, batch_idx)
-        for optimizer in self.optimizers():
-            optimizer.zero_grad()
-        loss = self._loss(batch)
-        self.manual_backward(loss)
-        for optimizer in self.optimizers():
-            optimizer.step()
-        return loss.detach()
-
-    def configure_model(self) -> None:
-        if self.compile_blocks:
-            _compile_blocks(self.model)
-        if self.fsdp2:
-            from torch.distributed.fsdp import fully_shard
-
-            mesh = self.device_mesh["data_parallel"]
-            for block in self.model.blocks:
-                fully_shard(block, mesh=mesh)
-            fully_shard(self.model, mesh=mesh)
-
-
-def muon_and_adamw(module: torch.nn.Module) -> list[torch.optim.Optimizer]:
-    """torch's Muon for the hidden layers' matrices, AdamW for embeddings, norms and biases."""
-    named = list(module.named_parameters())
-    hidden = [p for n, p in named if p.ndim == 2 and ".blocks." in n]
-    rest = [p for n, p in named if not (p.ndim == 2 and ".blocks." in n)]
-    return [torch.optim.Muon(hidden, lr=0.02, weight_decay=0.01), torch.optim.AdamW(rest, lr=1e-3, weight_decay=0.0)]
 
 
 def _model_state_mb(module: torch.nn.Module, optimizers: list) -> float:
@@ -154,17 +102,13 @@ def _data(args, world: int) -> DataLoader:
     return DataLoader(torch.randint(0, args.vocab, (n, args.seq + 1), generator=g), batch_size=args.batch)
 
 
-def _gpt(args) -> GPT:
-    return GPT(args.vocab, args.width, args.depth, args.heads, args.seq)
-
-
 def _run_alone(args, precision: str, optimizer_name: str, compiled: bool = False) -> dict:
     cuda = args.device == "cuda"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     torch.manual_seed(0)
-    module = BenchLM(_gpt(args), optimizer=optimizer_name).to(device)
+    module = BenchLM(build_model(args), optimizer=optimizer_name).to(device)
     if compiled:
-        _compile_blocks(module.model)
+        compile_blocks(module.model)
     configured = module.configure_optimizers()
     optimizers = [configured["optimizer"]] if isinstance(configured, dict) else configured
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16-mixed" else nullcontext()
@@ -206,7 +150,7 @@ def _run(name: str, args, world: int, precision: str, rank: int = 0, trace: str 
         estimate = None
     else:
         torch.manual_seed(0)
-        module = BenchLM(_gpt(args), fsdp2=name == "fsdp2", optimizer=optimizer,
+        module = BenchLM(build_model(args), fsdp2=name == "fsdp2", optimizer=optimizer,
                          compile_blocks=compiled and not name.startswith("shard_"))
         timer = StepTimer(cuda)
         callbacks: list[L.Callback] = [timer]
@@ -240,7 +184,7 @@ def _estimate_with_activations(name: str, args, world: int, precision: str) -> f
     from lightning_shard.memory.estimate import estimate_memory
 
     with torch.device("meta"):
-        module = BenchLM(_gpt(args))
+        module = BenchLM(build_model(args))
     offload = name.removeprefix("shard_offload_") if name.startswith("shard_offload_") else None
     estimate = estimate_memory(
         module, world, sharding="full" if offload else name.removeprefix("shard_"), offload=offload, param_dtype=ShardPrecision(precision).policy.param_dtype,
@@ -269,7 +213,7 @@ def _rank_main(rank: int, world: int, args, port: int, out: str) -> None:
         for precision, optimizer in tables:
             for name in results[precision, optimizer]:  # interleaved: A B C ... A B C ...
                 results[precision, optimizer][name].append(_run(name, args, world, precision, rank, optimizer=optimizer))
-                if (args.device == "cuda" and rank == 0 and name.startswith("shard_") and round_ == 0
+                if (args.device == "cuda" and rank == 0 and name.startswith("shard_") and round_ == 0 and args.first_round
                         and optimizer == "adamw" and not name.endswith(COMPILED)):
                     try:  # once per config, after its run (the other ranks wait in the next setup, untimed)
                         estimates[precision, name] = _estimate_with_activations(name, args, world, precision)
@@ -277,16 +221,56 @@ def _rank_main(rank: int, world: int, args, port: int, out: str) -> None:
                         estimates[precision, name] = float("nan")
                         errors.append(f"{name} {precision}: no estimate with activations ({type(err).__name__}: {err})")
                 if rank == 0:
-                    print(f"round {round_ + 1}/{args.rounds}: {name} {precision} {optimizer} done", flush=True)
+                    print(f"round {round_ + 1 + args.round_offset}/{args.rounds + args.round_offset}: {name} {precision}"
+                          f" {optimizer} done", flush=True)
     if args.trace:
         _run("shard_full", args, world, args.precision[0], rank, trace=args.trace)
     with open(f"{out}.{rank}", "wb") as f:
         pickle.dump({"results": results, "estimates": estimates, "errors": errors}, f)
 
 
+def _spawn(args) -> list[dict]:
+    """``args.world`` rank processes running ``args``' rounds; what each rank returned."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "results.pkl")
+        mp.spawn(_rank_main, args=(args.world, args, free_port(), out), nprocs=args.world, join=True)
+        ranks = []
+        for rank in range(args.world):
+            with open(f"{out}.{rank}", "rb") as f:
+                ranks.append(pickle.load(f))
+    return ranks
+
+
+def _spawn_per_run(args) -> list[dict]:
+    """Each run (a configuration, precision and optimizer in one round) in fresh processes, interleaved as in one
+    process: no run follows another in the same process (on a GPU, a run after another was up to 30 ms a step slower)."""
+    merged: list[dict] = [{"results": {}, "estimates": {}, "errors": []} for _ in range(args.world)]
+    for round_ in range(args.rounds):
+        for precision in args.precision:
+            for optimizer in args.optimizer:
+                for name in args.configs:
+                    if optimizer != "adamw" and name.startswith("fsdp2"):
+                        continue
+                    one = argparse.Namespace(**{**vars(args), "rounds": 1, "precision": [precision], "trace": None,
+                                                "optimizer": [optimizer], "configs": [name], "round_offset": round_,
+                                                "first_round": round_ == 0})
+                    for into, part in zip(merged, _spawn(one)):
+                        for table, configs in part["results"].items():
+                            for config, runs in configs.items():
+                                into["results"].setdefault(table, {}).setdefault(config, []).extend(runs)
+                        into["estimates"].update(part["estimates"])
+                        into["errors"] += part["errors"]
+    if args.trace:
+        _spawn(argparse.Namespace(**{**vars(args), "rounds": 0}))
+    return merged
+
+
 def main(argv=None) -> None:
     parser = ArgumentParser(prog="python -m lightning_shard.bench", description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=MODELS, default="gpt",
+                        help="gpt: the repository's GPT; hf-llama: transformers' LlamaForCausalLM from a config, GQA"
+                             " with a quarter of the heads for keys and values (default: gpt)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cpu: gloo ranks, 1 thread each; cuda: NCCL, one GPU per rank (default: cpu)")
     parser.add_argument("--world", type=at_least(1), default=None,
@@ -306,12 +290,16 @@ def main(argv=None) -> None:
     parser.add_argument("--shard-size", type=at_least(1), default=None,
                         help="shard_hybrid's shard_size (default: half the world: two replicas of a full shard group)")
     parser.add_argument("--rounds", type=at_least(1), default=3)
+    parser.add_argument("--same-process", action="store_true",
+                        help="at --world 1, run every configuration in one process (default: each run in a fresh one)")
     for option in ("steps", "warmup", "depth", "width", "heads", "seq", "batch", "vocab"):
         low = 0 if option == "warmup" else 1
         parser.add_argument(f"--{option}", type=at_least(low), default=None,
-                            help=f"default: {DEFAULTS['cpu'][option]} on cpu, {DEFAULTS['cuda'][option]} on cuda")
+                            help=f"default: {DEFAULTS['gpt', 'cpu'][option]} on cpu, {DEFAULTS['gpt', 'cuda'][option]}"
+                                 f" on cuda (hf-llama: {DEFAULTS['hf-llama', 'cpu'][option]},"
+                                 f" {DEFAULTS['hf-llama', 'cuda'][option]})")
     args = parser.parse_args(argv)
-    for option, value in DEFAULTS[args.device].items():
+    for option, value in DEFAULTS[args.model, args.device].items():
         if getattr(args, option) is None:
             setattr(args, option, value)
     if args.device == "cuda":  # said here, in one line, not in a traceback from every rank
@@ -342,14 +330,13 @@ def main(argv=None) -> None:
         args.trace = os.path.abspath(args.trace)
         if os.path.isdir(args.trace) or not os.path.isdir(os.path.dirname(args.trace)):
             parser.error(f"--trace {args.trace}: must be a file path in an existing folder")
-    params = sum(p.numel() for p in _gpt(args).parameters())
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "results.pkl")
-        mp.spawn(_rank_main, args=(args.world, args, free_port(), out), nprocs=args.world, join=True)
-        ranks = []
-        for rank in range(args.world):
-            with open(f"{out}.{rank}", "rb") as f:
-                ranks.append(pickle.load(f))
+    with torch.device("meta"):
+        params = sum(p.numel() for p in build_model(args).parameters())
+    args.first_round, args.round_offset = True, 0
+    if args.world == 1 and not args.same_process:
+        ranks = _spawn_per_run(args)
+    else:
+        ranks = _spawn(args)
     merged = merge_ranks(ranks)
     tables = [format_table(merged["results"][p, o], args, params, p, merged["estimates"], o)
               for p in args.precision for o in args.optimizer]

@@ -60,7 +60,7 @@ def format_table(results: dict, args, params: int, precision: str, estimates: di
     if "plain" in medians and "shard_full" in medians:
         ratio = medians["shard_full"] / medians["plain"]
         rows.append(f"\nshard_full / plain: {ratio:.3f} (issue 16's target: <= 1.03) {'met' if ratio <= 1.03 else 'NOT met'}")
-    rows.append(f"\nprecision {precision}, optimizer {optimizer}; model: GPT, {params / 1e6:.1f}M parameters ({params * 4 / 2**20:.0f} MB fp32),"
+    rows.append(f"\nprecision {precision}, optimizer {optimizer}; model: {args.model}, {params / 1e6:.1f}M parameters ({params * 4 / 2**20:.0f} MB fp32),"
                 f" depth {args.depth}, width {args.width}, seq {args.seq}, batch {args.batch}/rank, vocab {args.vocab}")
     ranks = f"{args.world} {'CUDA' if cuda else 'gloo'} rank{'s' if args.world > 1 else ''}"
     timing = f"{args.rounds} round{'s' if args.rounds > 1 else ''} x {args.steps} timed steps after {args.warmup} warm-up"
