@@ -44,18 +44,16 @@ import argparse
 import gc
 import os
 import pickle
-import tempfile
 import time
 from contextlib import nullcontext
 
 import lightning as L
 import torch
-import torch.multiprocessing as mp
 from torch.utils.data import DataLoader
 
 from lightning_shard.app.callbacks import model_state_bytes
 from lightning_shard.app.cli import ArgumentParser, at_least
-from lightning_shard.tools import free_port
+from lightning_shard.tools import spawn_ranks
 from lightning_shard.tools.bench_models import DEFAULTS, MODELS, BenchLM, build_model, compile_blocks
 from lightning_shard.tools.bench_probes import HostPeak, StepTimer, TraceSteps, sync
 from lightning_shard.tools.bench_table import COMPILED, format_table, merge_ranks
@@ -231,14 +229,7 @@ def _rank_main(rank: int, world: int, args, port: int, out: str) -> None:
 
 def _spawn(args) -> list[dict]:
     """``args.world`` rank processes running ``args``' rounds; what each rank returned."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "results.pkl")
-        mp.spawn(_rank_main, args=(args.world, args, free_port(), out), nprocs=args.world, join=True)
-        ranks = []
-        for rank in range(args.world):
-            with open(f"{out}.{rank}", "rb") as f:
-                ranks.append(pickle.load(f))
-    return ranks
+    return spawn_ranks(_rank_main, args.world, args)
 
 
 def _spawn_per_run(args) -> list[dict]:

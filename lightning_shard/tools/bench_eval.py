@@ -12,21 +12,18 @@ Runs interleaved over ``--rounds``; medians; all-gathers counted by the engine.
 from __future__ import annotations
 
 import argparse
-import os
 import pickle
 import statistics
-import tempfile
 import time
 from contextlib import nullcontext
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from lightning_shard.app.cli import ArgumentParser, at_least
 from lightning_shard.app.models.gpt import GPT
-from lightning_shard.tools import free_port
+from lightning_shard.tools import spawn_ranks
 
 
 def _rank_main(rank: int, world: int, args, port: int, out: str) -> None:
@@ -75,11 +72,7 @@ def main(argv=None) -> None:
                             ("depth", 6), ("width", 512), ("heads", 8), ("seq", 128), ("vocab", 12000)):
         parser.add_argument(f"--{option}", type=at_least(1), default=default, help=f"default {default}")
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "eval")
-        mp.spawn(_rank_main, args=(args.world, args, free_port(), out), nprocs=args.world, join=True)
-        with open(f"{out}.0", "rb") as f:
-            result = pickle.load(f)
+    result = spawn_ranks(_rank_main, args.world, args)[0]
     print(f"{'':<28}{'median s':>10}{'x held':>8}{'gathered MB':>13}")
     for name, times in result["times"].items():
         held = statistics.median(result["times"][name.split(",")[0] + ", held"])

@@ -17,17 +17,15 @@ import argparse
 import os
 import pickle
 import resource
-import tempfile
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from lightning_shard.app.cli import ArgumentParser, at_least
 from lightning_shard.app.models.gpt import GPT
-from lightning_shard.tools import free_port
+from lightning_shard.tools import spawn_ranks
 
 GiB = 2**30
 
@@ -120,13 +118,7 @@ def main(argv=None) -> None:
                             ("batch", 1), ("steps", 3)):
         parser.add_argument(f"--{option}", type=at_least(1), default=default, help=f"default {default}")
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "memory")
-        mp.spawn(_rank_main, args=(args.world, args, free_port(), out), nprocs=args.world, join=True)
-        ranks = []
-        for rank in range(args.world):
-            with open(f"{out}.{rank}", "rb") as f:
-                ranks.append(pickle.load(f))
+    ranks = spawn_ranks(_rank_main, args.world, args)
     params = ranks[0]["params"]
     per_element = 16 if args.optimizer == "adamw" else 12  # fp32 parameter, gradient, two moments (Muon: one)
     replica = params * per_element

@@ -18,21 +18,18 @@ included.
 from __future__ import annotations
 
 import argparse
-import os
 import pickle
 import statistics
-import tempfile
 import time
 from datetime import timedelta
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from lightning_shard.app.cli import ArgumentParser, at_least
-from lightning_shard.tools import free_port
+from lightning_shard.tools import spawn_ranks
 
 HOOKS = ("_enter_step", "_exit_step", "_pre_forward", "_post_forward", "_pre_backward", "_post_backward",
          "_finish_backward")
@@ -141,11 +138,7 @@ def _rank_main(rank: int, world: int, args, port: int, out: str) -> None:
 
 
 def _measure(args, world: int) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "results.pkl")
-        mp.spawn(_rank_main, args=(world, args, free_port(), out), nprocs=world, join=True)
-        with open(f"{out}.0", "rb") as f:
-            return pickle.load(f)
+    return spawn_ranks(_rank_main, world, args)[0]
 
 
 def main(argv=None) -> None:
