@@ -188,7 +188,9 @@ class _OwnerExchange:
             pieces += [e.local_values() for e in entries]
             pieces += [g if g is not None else torch.zeros(e.piece_len(self.rank), dtype=dtype, device=device)
                        for e, g in zip(entries, grads)]
-            pieces.append(torch.tensor([float(g is not None) for g in grads], dtype=dtype, device=device))
+            flags = torch.tensor([float(g is not None) for g in grads], dtype=dtype)
+            # on a GPU from pinned memory, without blocking: a pageable host-to-device copy waits for the device
+            pieces.append(flags.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else flags)
         flat = torch.cat(pieces)
         out = flat.new_empty(sum(self.recv_in_splits))
         return collectives.all_to_all(out, flat, self.recv_in_splits, self.send_in_splits, group, stats,
