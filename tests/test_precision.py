@@ -56,3 +56,17 @@ def test_one_rank_in_bf16_hands_over_the_bf16_gradients_cast_to_fp32():
     for name, grad in expected.items():
         assert got[name].dtype == torch.float32
         assert torch.equal(got[name], grad.float().reshape(-1)), name
+
+
+def test_a_retained_graph_runs_backward_again_with_its_units_gathered_again():
+    """Computing in bf16 the end of backward frees every unit, the root's too: a second backward through the retained
+    graph gathers them again (the root when the step's output gets its gradient), and adds the same gradients."""
+    torch.manual_seed(0)
+    model = models.TinyGPT()
+    shard_module(model, param_dtype=torch.bfloat16)
+    loss = model(torch.randint(0, 37, (2, 5))).float().mean()
+    loss.backward(retain_graph=True)
+    once = {n: p.grad.clone() for n, p in model.named_parameters()}
+    loss.backward()
+    for name, param in model.named_parameters():
+        assert torch.equal(param.grad, 2 * once[name]), name

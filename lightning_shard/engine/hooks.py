@@ -171,9 +171,13 @@ class ShardRuntime(HeldUnits, RuntimeOptimizers, RuntimeNorms, ModuleGuards):
             return
         self.elision.end_forward()
         self.schedule.record_order()
-        if not self._final_callback_queued and not expects_backward(output):
+        if self._final_callback_queued:
+            return
+        if not expects_backward(output):
             for unit in self.units:
                 self.schedule.reshard(unit)
+        elif self.root_unit is not None:  # gathered again should a backward begin after one freed it (retain_graph)
+            watch_outputs(output, lambda _: self._pre_backward(self.root_unit))
 
     def after_optimizer_step(self) -> None:
         """Close the step's communication figures; re-gather units still gathered (manual optimization)."""
