@@ -255,13 +255,26 @@ class Twice(nn.Module):
         return self.head(h), h
 
 
-def two_backwards(rank: int, world: int, mode: str):
+class TwiceThroughRoot(Twice):
+    """The second backward needs a weight of the root unit (``mix``'s, for its input's gradient), which the end of the
+    first backward freed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.block(self.block(self.mix(self.stem(x))))
+        return self.head(h), h
+
+
+def two_backwards(rank: int, world: int, mode: str, through_root: bool = False):
     """Two backward passes through one graph (retain_graph), a unit called twice: the gradients DDP means
     (the ranks' gradients averaged), computed in one process over every rank's chunk as the reference."""
     g = torch.Generator().manual_seed(5)
     x = torch.randn(4 * world, 4, generator=g)
     torch.manual_seed(0)
-    reference = Twice()
+    reference = TwiceThroughRoot() if through_root else Twice()
     sharded = copy.deepcopy(reference)
     runtime = shard_module(sharded, sharding=mode, units=["Sequential"])
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)

@@ -60,6 +60,10 @@ def test_two_backwards_through_a_unit_called_twice(mode):
     assert run_world(scenarios.two_backwards, 2, mode, timeout=200) == [True, True]
 
 
+def test_a_second_backward_through_the_root_units_weights():
+    assert run_world(scenarios.two_backwards, 2, "full", True, timeout=200) == [True, True]
+
+
 def test_a_units_backward_on_some_ranks_only_is_an_error_not_a_silent_swap():
     with pytest.raises(AssertionError) as failure:
         run_world(scenarios.aux_on_some_ranks, 2, timeout=200)
