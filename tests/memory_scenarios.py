@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from lightning_shard.engine.shard_module import shard_module
@@ -20,7 +22,9 @@ def estimated_and_measured(rank: int, world: int, sharding: str, options: dict, 
     model = models.TinyGPT(vocab=37, d=d, n_blocks=4, seq=seq)
     g = torch.Generator().manual_seed(rank)
     batches = [torch.randint(0, 37, (batch_size, seq + 1), generator=g) for _ in range(steps)]
-    estimate = estimate_memory(model, world, sharding, step=loss, batch=batches[0], **options)
+    # the loop below clears gradients after the optimizer step
+    estimate = estimate_memory(model, world, sharding, step=loss, batch=batches[0], zero_grad_before_backward=False,
+                               **options)
     runtime = shard_module(model, sharding=sharding, **options)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     live = LiveBytes()
@@ -39,3 +43,64 @@ def estimated_and_measured(rank: int, world: int, sharding: str, options: dict, 
         runtime.after_optimizer_step()
     live.__exit__(None, None, None)
     return {"estimate": estimate.as_dict(), "measured": live.peak}
+
+
+def through_lightning(rank: int, world: int, precision: str, accumulate: int, batch_size: int, vocab: int = 37,
+                      blocks: int = 12, d: int = 64, seq: int = 16) -> dict:
+    """The estimate against one steady optimizer step of a real Trainer (its automatic optimization clears gradients
+    between forward and backward; micro-batches accumulate), every tensor counted from the step's first micro-batch
+    to its last's end."""
+    import lightning as L
+
+    from lightning_shard import ShardStrategy
+    from lightning_shard.lightning.precision import ShardPrecision
+
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))  # the world's ranks are the Trainer's
+    measured_step = 2
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = models.TinyGPT(vocab=vocab, d=d, n_blocks=blocks, seq=seq)
+
+        def training_step(self, batch, batch_idx):
+            return gpt_loss(self.model, batch)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    class Measure(L.Callback):
+        def __init__(self) -> None:
+            self.live = LiveBytes()
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            if batch_idx == measured_step * accumulate:  # the optimizer state and last step's gradients exist
+                runtime = trainer.strategy.runtime
+                state = [v for opt in trainer.optimizers for s in opt.state.values() for v in s.values()]
+                params = list(pl_module.parameters())
+                self.live.__enter__()
+                self.live.track([*params, *(p.grad for p in params), *pl_module.buffers(), *state, batch,
+                                 *(u.storage.gathered for u in runtime.units)])
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            if batch_idx == (measured_step + 1) * accumulate - 1:
+                self.live.__exit__(None, None, None)
+
+    torch.manual_seed(0)
+    module = Module()
+    g = torch.Generator().manual_seed(rank)
+    batches = [torch.randint(0, vocab, (batch_size, seq + 1), generator=g) for _ in range((measured_step + 2) * accumulate)]
+    estimate = estimate_memory(module.model, world, "full", step=gpt_loss, batch=batches[0],
+                               param_dtype=ShardPrecision(precision).policy.param_dtype,
+                               autocast=ShardPrecision(precision).autocast_dtype, accumulate_grad_batches=accumulate)
+    measure = Measure()
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=ShardStrategy(), precision=precision, max_epochs=1,
+                        accumulate_grad_batches=accumulate, callbacks=[measure], use_distributed_sampler=False,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.fit(module, torch.utils.data.DataLoader(batches, batch_size=None))
+    return {"estimate": estimate.as_dict(), "measured": measure.live.peak}
+
+
+def gpt_loss(model, batch):
+    return models.TinyGPT.loss(model, batch, 0)

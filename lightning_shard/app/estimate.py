@@ -44,7 +44,9 @@ def estimate_config(cfg: Any) -> tuple[MemoryEstimate, int]:
         whole=optimizer in WHOLE_PARAMETER_OPTIMIZERS or optimizer in tuple(strategy.matrix_optimizers),
         step_group_numel=strategy.step_group_size,
         shard_size=(strategy.shard_size or devices) if strategy.sharding == "hybrid" else None,
-        offload=strategy.offload,
+        offload=strategy.offload, autocast=ShardPrecision(precision).autocast_dtype,
+        accumulate_grad_batches=int(cfg.trainer.get("accumulate_grad_batches", 1)),
+        reduce_during_accumulation=strategy.reduce_during_accumulation,
     )
     return estimate, world
 

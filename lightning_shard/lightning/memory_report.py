@@ -12,18 +12,19 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 
 from lightning_shard.engine.hooks import ShardRuntime
-from lightning_shard.memory.estimate import MemoryEstimate, estimate_sharded
+from lightning_shard.memory.estimate import GradsHeld, MemoryEstimate, estimate_sharded
 
 
 def report_memory_estimate(runtime: ShardRuntime, optimizers: list[Optimizer], sharding: str, prefetch: int,
-                           step_group_numel: int, device: torch.device, local_ranks: int) -> Optional[MemoryEstimate]:
+                           step_group_numel: int, device: torch.device, local_ranks: int,
+                           held: GradsHeld = GradsHeld()) -> Optional[MemoryEstimate]:
     """Log the per-rank estimate (activations excluded: they need a batch, see ``lightning_shard.memory.estimate``)
     and warn if it already exceeds what this rank's device has; the estimate, or None if it could not be made."""
     optimizer = _same_kind(optimizers[0]) if optimizers else torch.optim.SGD
     step = runtime.optimizers.step_of(optimizers[0]) if optimizers else None
     try:
         estimate = estimate_sharded(runtime, sharding, prefetch, optimizer, whole=step is not None and step.whole,
-                                    step_group_numel=step_group_numel)
+                                    step_group_numel=step_group_numel, held=held)
     except Exception as err:  # an estimate must never stop training
         rank_zero_warn(f"lightning_shard: no memory estimate ({type(err).__name__}: {err}).")
         return None

@@ -103,8 +103,13 @@ class ShardPrecision(Precision):
     def module_init_context(self):  # type: ignore[override]
         return self.tensor_init_context()
 
+    @property
+    def autocast_dtype(self) -> Optional[torch.dtype]:
+        """The dtype the forward runs under ``torch.autocast`` with, or None."""
+        return _AUTOCAST.get(self.precision)
+
     def forward_context(self):  # type: ignore[override]
-        dtype = _AUTOCAST.get(self.precision)
+        dtype = self.autocast_dtype
         if dtype is not None:
             return torch.autocast(self.device, dtype=dtype)
         return self.tensor_init_context()

@@ -38,6 +38,7 @@ from lightning_shard.lightning.evaluation import EvaluationHold
 from lightning_shard.lightning.finetuning import record_merged_groups
 from lightning_shard.lightning.guards import refuse_layer_sync_on_sharded, refuse_other_strategies
 from lightning_shard.lightning.memory_report import report_memory_estimate
+from lightning_shard.memory.estimate import GradsHeld
 from lightning_shard.lightning.options import (
     check_count,
     check_declared_optimizers,
@@ -274,8 +275,11 @@ class ShardStrategy(ProcessGroupMixin, EvaluationHold, CheckpointState, Parallel
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
             optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+            held = GradsHeld(accumulate_grad_batches=trainer.accumulate_grad_batches,
+                             reduce_during_accumulation=self.reduce_during_accumulation)
             self.memory_estimate = report_memory_estimate(self.runtime, optimizers, self.sharding, self.prefetch,
-                                                          self.step_group_size, self.root_device, self.num_processes)
+                                                          self.step_group_size, self.root_device, self.num_processes,
+                                                          held)
 
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:
         """``configure_optimizers`` sees the parameters in their real shapes (placeholders: ``p.ndim`` rules for

@@ -1,8 +1,10 @@
 """Per-rank peak memory of a sharded training step, predicted before running it.
 
     peak = parameter shards + optimizer state + buffers + root unit (gathered all step)
-           + max( activations + gathered units + gradients in flight,   # start of backward
-                  gradient shards + optimizer step scratch )           # optimizer step
+           + max( activations + gathered units + gradient shards held,      # end of forward
+                  activations + gathered units + gradients in flight
+                              (+ gradient shards held, accumulating),       # start of backward
+                  gradient shards + optimizer step scratch )               # optimizer step
 
 Every term is counted, not guessed: unit sizes come from the same planner the strategy uses (padding
 included); optimizer state and step scratch per parameter element from real steps of the optimizer on small
@@ -15,6 +17,13 @@ is allocated), with the chosen activation checkpointing applied. Gathered units 
 gradients in flight follow the engine's bounds: ``1 + prefetch`` units gathered under ``full`` sharding, all
 of them from forward to backward under ``grad_op``.
 
+Gradient shards held beside the activations: Lightning's automatic optimization calls ``zero_grad`` between a
+step's forward and its backward, so the last step's gradient shards are alive through the forward
+(``zero_grad_before_backward``, the default); with ``accumulate_grad_batches > 1`` the micro-batches' sums are
+alive through the next micro-batches' forward and backward (without ``reduce_during_accumulation``, every unit's
+unsharded gradient is). Activations are measured under the training's autocast (``autocast``: Lightning's
+``bf16-mixed`` and ``16-mixed``), which keeps some outputs in fp32 (norms, softmax, the loss) and casts copies.
+
 With ``offload`` the terms split by where they live: the master shards, their gradients, a compute-dtype staging
 copy, the optimizer state and its scratch go to ``host`` (host memory, stepped by the CPU: the probes run there);
 the device keeps the compute-dtype shards (``offload="optimizer"``; none under ``"params"``) and the rest.
@@ -24,6 +33,7 @@ CLI for a Hydra training config: ``python -m lightning_shard.estimate`` (``light
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from collections.abc import Sequence
@@ -62,6 +72,8 @@ class MemoryEstimate:
     grads_in_flight: int  # unsharded gradients: the root unit's and the largest unit's
     activations: int  # saved for backward plus backward temporaries (local batch)
     step_scratch: int  # temporaries of the optimizer step
+    grads_in_forward: int = 0  # gradient shards alive through the forward (last step's, or accumulated sums)
+    grads_in_backward: int = 0  # gradients of earlier micro-batches alive through the backward (accumulating)
     # offload, in host memory: master and staging shards and the optimizer state; gradient shards and step scratch
     host_resident: int = 0
     host_step: int = 0
@@ -74,19 +86,21 @@ class MemoryEstimate:
     def peak(self) -> int:
         """On the device (with offload, ``host`` is apart)."""
         resident = self.params + self.optimizer_state + self.buffers
-        # backward peaks at its start, with every activation alive: gradient shards come later, as activations go
-        backward = self.activations + self.gathered + self.grads_in_flight
-        return resident + max(backward, self.grads + self.step_scratch)
+        forward = self.activations + self.gathered + self.grads_in_forward
+        # backward peaks at its start, with every activation alive: this step's gradient shards come later, as
+        # activations go
+        backward = self.activations + self.gathered + self.grads_in_flight + self.grads_in_backward
+        return resident + max(forward, backward, self.grads + self.step_scratch)
 
     def as_dict(self) -> dict[str, int]:
         return {**{f.name: getattr(self, f.name) for f in fields(self)}, "peak": self.peak, "host": self.host}
 
     def table(self) -> str:
-        rows = [f"  {name:<16} {value / MiB:10.1f} MiB" for name, value in self.as_dict().items()
+        rows = [f"  {name:<17} {value / MiB:10.1f} MiB" for name, value in self.as_dict().items()
                 if not name.startswith("host")]
         if self.host:  # offload
             rows[-1] += " on the device"
-            rows.append(f"  {'host':<16} {self.host / MiB:10.1f} MiB in host memory (offload)")
+            rows.append(f"  {'host':<17} {self.host / MiB:10.1f} MiB in host memory (offload)")
         return "\n".join(rows)
 
 
@@ -109,6 +123,10 @@ def estimate_memory(
     step_group_numel: int = DEFAULT_STEP_GROUP_NUMEL,
     shard_size: Optional[int] = None,
     offload: Optional[str] = None,
+    autocast: Optional[torch.dtype] = None,
+    zero_grad_before_backward: bool = True,
+    accumulate_grad_batches: int = 1,
+    reduce_during_accumulation: bool = True,
 ) -> MemoryEstimate:
     """Predict one rank's peak memory for training ``model`` sharded over ``world_size`` ranks (under
     ``sharding="hybrid"``, over groups of ``shard_size``: the replicas add no memory).
@@ -120,6 +138,10 @@ def estimate_memory(
     ``param_dtype`` is the gather/compute dtype (mixed precision), ``master_dtype`` that of the shards.
     ``whole``: the optimizer steps whole parameters on owner ranks (``engine/optimizers.py``);
     ``step_group_numel``: the strategy's ``step_group_size``; ``offload``: the strategy's.
+    ``autocast``: the dtype ``step`` runs under ``torch.autocast`` in training (Lightning's mixed precisions).
+    ``zero_grad_before_backward``: gradients are cleared between a step's forward and its backward, as Lightning's
+    automatic optimization does (the last step's are alive through the forward); ``False``: after the optimizer step.
+    ``accumulate_grad_batches``, ``reduce_during_accumulation``: the Trainer's and the strategy's.
     """
     validate_sharding(sharding)
     offload = validate_offload(offload)
@@ -128,6 +150,8 @@ def estimate_memory(
         raise ValueError(f"estimate_memory: sharding='hybrid' needs `shard_size` (ranks per shard group) dividing the"
                          f" world size {world_size}, got {shard_size}.")
     spec = validate_activation_checkpointing(activation_checkpointing)
+    if not isinstance(accumulate_grad_batches, int) or accumulate_grad_batches < 1:
+        raise ValueError(f"estimate_memory: `accumulate_grad_batches` must be an int >= 1, got {accumulate_grad_batches!r}.")
     plans = plan_units(model, units=units, unit_size=unit_size, min_unit_size=min_unit_size)
     master = master_dtype or next((p.dtype for p in model.parameters()), torch.float32)
     param_dtype = param_dtype or master
@@ -137,11 +161,31 @@ def estimate_memory(
         if plan.numel():
             shard = math.ceil(plan.numel() / ranks)
             sizes.append(UnitSize(shard * ranks, shard, plan.members == [""], max(p.numel() for p, _ in plan.params)))
-    activations = activation_bytes(model, step, batch, param_dtype, plans, spec, device) if step is not None else 0
+    activations = (activation_bytes(model, step, batch, param_dtype, plans, spec, device, autocast)
+                   if step is not None else 0)
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     profile = optimizer_profile(optimizer, master, whole, "cpu" if offload else device)
+    held = GradsHeld(zero_grad_before_backward, accumulate_grad_batches, reduce_during_accumulation)
     return combine(sizes, master, param_dtype, sharding, prefetch, profile, buffers, activations, step_group_numel,
-                   offload)
+                   offload, held)
+
+
+@dataclass(frozen=True)
+class GradsHeld:
+    """How the training loop keeps gradients beside a step's activations (see the module note)."""
+
+    zero_grad_before_backward: bool = True  # Lightning's automatic optimization
+    accumulate_grad_batches: int = 1
+    reduce_during_accumulation: bool = True
+
+    def bytes(self, shards: int, unsharded: int) -> tuple[int, int]:
+        """In forward and in backward, from the gradient shards' bytes and every unit's unsharded gradients'."""
+        if self.accumulate_grad_batches == 1:
+            return (shards if self.zero_grad_before_backward else 0), 0
+        if self.reduce_during_accumulation:
+            return shards, shards
+        # the last step's shards until the first micro-batch's zero_grad; after it, every unit's unsharded sums
+        return max(unsharded, shards if self.zero_grad_before_backward else 0), unsharded
 
 
 @dataclass(frozen=True)
@@ -164,7 +208,8 @@ class OptimizerProfile:
 
 def combine(sizes: list[UnitSize], master: torch.dtype, param_dtype: torch.dtype, sharding: str, prefetch: int,
             optimizer: OptimizerProfile, buffers: int, activations: int,
-            step_group_numel: int = DEFAULT_STEP_GROUP_NUMEL, offload: Optional[str] = None) -> MemoryEstimate:
+            step_group_numel: int = DEFAULT_STEP_GROUP_NUMEL, offload: Optional[str] = None,
+            held: GradsHeld = GradsHeld()) -> MemoryEstimate:
     """The formula of the module note, from unit sizes (planned, or read off a sharded model)."""
     b_master, b_param = _size(master), _size(param_dtype)
     # gathered buffer = shard
@@ -178,17 +223,27 @@ def combine(sizes: list[UnitSize], master: torch.dtype, param_dtype: torch.dtype
         gathered = sum(others[: 1 + prefetch]) * b_param
     else:  # grad_op keeps every unit gathered from its forward to its backward; none keeps them always
         gathered = sum(others) * b_param
-    # the root's gradients build up through all of backward; a unit's until its reduction. Reductions in flight
-    # are not added: they exist once units' activations are freed, which outweigh them unless activations are tiny
-    grads_in_flight = ((others[0] if others else 0) + root) * b_param
-    if offload is not None:
+    # the root's gradients build up through all of backward; a unit's until its reduction (``engine/reduce.py``),
+    # which flattens them into the reduce dtype (master's here), computing in another through a concatenation in
+    # theirs. The reduction left in flight while the next unit computes is not added: that unit's activations are
+    # freed by then, which outweigh it unless activations are tiny
+    largest = others[0] if others else 0
+    if aliases:  # one rank in the master dtype: each gradient becomes its shard's as autograd made it
+        grads_in_flight = (largest + root) * b_param
+    else:
+        casting = b_param if param_dtype != master else 0
+        grads_in_flight = root * b_param + largest * (b_param + b_master + casting)
+    unsharded = sum(u.padded for u in sizes) * b_param
+    if offload is not None:  # the gradient shards go to the host as they are made
+        in_forward, in_backward = held.bytes(0, unsharded)
         state, scratch = round(shard_total * optimizer.state), step_scratch(sizes, b_master, optimizer, step_group_numel)
         return MemoryEstimate(
             params=(shard_total * b_param if offload == "optimizer" else 0) + root * b_param,
             optimizer_state=0, buffers=buffers, grads=0, gathered=gathered, grads_in_flight=grads_in_flight,
-            activations=activations, step_scratch=0,
+            activations=activations, step_scratch=0, grads_in_forward=in_forward, grads_in_backward=in_backward,
             host_resident=shard_total * (b_master + b_param) + state, host_step=shard_total * b_master + scratch,
         )
+    in_forward, in_backward = held.bytes(shard_total * b_master, unsharded)
     return MemoryEstimate(
         params=shard_total * b_master + (0 if aliases else root * b_param),
         optimizer_state=round(shard_total * optimizer.state),
@@ -198,6 +253,8 @@ def combine(sizes: list[UnitSize], master: torch.dtype, param_dtype: torch.dtype
         grads_in_flight=grads_in_flight,
         activations=activations,
         step_scratch=step_scratch(sizes, b_master, optimizer, step_group_numel),
+        grads_in_forward=in_forward,
+        grads_in_backward=in_backward,
     )
 
 
@@ -218,7 +275,8 @@ def step_scratch(sizes: list[UnitSize], b_master: int, optimizer: OptimizerProfi
 
 
 def estimate_sharded(runtime: Any, sharding: str, prefetch: int, optimizer: Callable[..., torch.optim.Optimizer],
-                     whole: bool = False, step_group_numel: int = DEFAULT_STEP_GROUP_NUMEL) -> MemoryEstimate:
+                     whole: bool = False, step_group_numel: int = DEFAULT_STEP_GROUP_NUMEL,
+                     held: GradsHeld = GradsHeld()) -> MemoryEstimate:
     """The estimate, activations excluded, of a model already sharded (what the strategy logs at setup)."""
     sizes = [UnitSize(u.storage.padded_numel, u.storage.shard_numel, u is runtime.root_unit,
                       max(s.numel for s in u.storage.slots)) for u in runtime.units]
@@ -227,13 +285,15 @@ def estimate_sharded(runtime: Any, sharding: str, prefetch: int, optimizer: Call
     profile = optimizer_profile(optimizer, first.master_dtype, whole, first.shard.device)  # offloaded: the host
     return combine(sizes, first.master_dtype, first.param_dtype, sharding, prefetch, profile, buffers, 0,
                    step_group_numel, "optimizer" if first.offloaded and first.keep_on_device
-                   else "params" if first.offloaded else None)
+                   else "params" if first.offloaded else None, held)
 
 
 def activation_bytes(model: nn.Module, step: Callable[[nn.Module, Any], Tensor], batch: Any,
                      param_dtype: Optional[torch.dtype] = None, plans: Optional[list] = None,
-                     activation_checkpointing: Any = False, device: Union[str, torch.device] = "cpu") -> int:
-    """Peak bytes above the parameters during one forward and backward, run on fake tensors of ``device``."""
+                     activation_checkpointing: Any = False, device: Union[str, torch.device] = "cpu",
+                     autocast: Optional[torch.dtype] = None) -> int:
+    """Peak bytes above the parameters during one forward and backward, run on fake tensors of ``device`` (under
+    ``torch.autocast`` with ``autocast`` as training runs it)."""
     fake = FakeTensorMode()
     shadow, fake_batch = fake_copy(model, batch, fake, torch.device(device), param_dtype)
     if activation_checkpointing:
@@ -245,11 +305,15 @@ def activation_bytes(model: nn.Module, step: Callable[[nn.Module, Any], Tensor],
     for param in shadow.parameters():  # a gradient leaves at once: the engine reduces it, counted apart
         if param.requires_grad:
             param.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+    device = torch.device(device)
+    cast = (torch.autocast(device.type, dtype=autocast) if autocast is not None else contextlib.nullcontext())
     with fake, LiveBytes() as live:
         live.track([*shadow.parameters(), *shadow.buffers(), *_tensors(fake_batch)])
         baseline = live.current()
         live.reset_peak()
-        step(shadow, fake_batch).backward()
+        with cast:
+            loss = step(shadow, fake_batch)
+        loss.backward()
     return max(live.peak - baseline, 0)
 
 

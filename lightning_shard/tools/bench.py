@@ -185,7 +185,8 @@ def _estimate_with_activations(name: str, args, world: int, precision: str) -> f
         module = BenchLM(build_model(args))
     offload = name.removeprefix("shard_offload_") if name.startswith("shard_offload_") else None
     estimate = estimate_memory(
-        module, world, sharding="full" if offload else name.removeprefix("shard_"), offload=offload, param_dtype=ShardPrecision(precision).policy.param_dtype,
+        module, world, sharding="full" if offload else name.removeprefix("shard_"), offload=offload,
+        param_dtype=ShardPrecision(precision).policy.param_dtype, autocast=ShardPrecision(precision).autocast_dtype,
         optimizer=torch.optim.AdamW, step=lambda m, b: m._loss(b), batch=next(iter(_data(args, world))),
         device=args.device, shard_size=args.shard_size if name == "shard_hybrid" else None,
     )
