@@ -115,7 +115,7 @@ def run(strategy, args, max_epochs: int, ckpt_dir: str, resume: str | None = Non
         enable_model_summary=False,
         callbacks=[L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True)]
         + ([CrashAt(crash_at)] if crash_at is not None else []),
-        num_sanity_val_steps=0, deterministic=True,
+        num_sanity_val_steps=0, deterministic=True, log_every_n_steps=1,
     )
     trainer.fit(module, loader(1), loader(2), ckpt_path=resume)
     val = trainer.validate(module, loader(2), verbose=False)[0]

@@ -45,11 +45,11 @@ def estimated_and_measured(rank: int, world: int, sharding: str, options: dict, 
     return {"estimate": estimate.as_dict(), "measured": live.peak}
 
 
-def through_lightning(rank: int, world: int, precision: str, accumulate: int, batch_size: int, vocab: int = 37,
-                      blocks: int = 12, d: int = 64, seq: int = 16) -> dict:
+def through_lightning(rank: int, world: int, precision: str, accumulate: int, free_grads: bool, batch_size: int = 2,
+                      vocab: int = 37, blocks: int = 12, d: int = 64, seq: int = 16) -> dict:
     """The estimate against one steady optimizer step of a real Trainer (its automatic optimization clears gradients
-    between forward and backward; micro-batches accumulate), every tensor counted from the step's first micro-batch
-    to its last's end."""
+    between forward and backward unless the strategy freed them after the step; micro-batches accumulate), every
+    tensor counted from the step's first micro-batch to its last's end."""
     import lightning as L
 
     from lightning_shard import ShardStrategy
@@ -92,14 +92,16 @@ def through_lightning(rank: int, world: int, precision: str, accumulate: int, ba
     batches = [torch.randint(0, vocab, (batch_size, seq + 1), generator=g) for _ in range((measured_step + 2) * accumulate)]
     estimate = estimate_memory(module.model, world, "full", step=gpt_loss, batch=batches[0],
                                param_dtype=ShardPrecision(precision).policy.param_dtype,
-                               autocast=ShardPrecision(precision).autocast_dtype, accumulate_grad_batches=accumulate)
+                               autocast=ShardPrecision(precision).autocast_dtype, accumulate_grad_batches=accumulate,
+                               zero_grad_before_backward=not free_grads)
     measure = Measure()
-    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=ShardStrategy(), precision=precision, max_epochs=1,
+    strategy = ShardStrategy(free_grads_after_step=free_grads)
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, precision=precision, max_epochs=1,
                         accumulate_grad_batches=accumulate, callbacks=[measure], use_distributed_sampler=False,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)
     trainer.fit(module, torch.utils.data.DataLoader(batches, batch_size=None))
-    return {"estimate": estimate.as_dict(), "measured": measure.live.peak}
+    return {"estimate": estimate.as_dict(), "measured": measure.live.peak, "freed": strategy.frees_grads_after_step}
 
 
 def gpt_loss(model, batch):

@@ -47,6 +47,7 @@ def estimate_config(cfg: Any) -> tuple[MemoryEstimate, int]:
         offload=strategy.offload, autocast=ShardPrecision(precision).autocast_dtype,
         accumulate_grad_batches=int(cfg.trainer.get("accumulate_grad_batches", 1)),
         reduce_during_accumulation=strategy.reduce_during_accumulation,
+        zero_grad_before_backward=not strategy.free_grads_after_step,
     )
     return estimate, world
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import inspect
 import os
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
+import lightning.pytorch as pl
 import torch
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 
@@ -15,16 +17,21 @@ from lightning_shard.engine.hooks import ShardRuntime
 from lightning_shard.memory.estimate import GradsHeld, MemoryEstimate, estimate_sharded
 
 
-def report_memory_estimate(runtime: ShardRuntime, optimizers: list[Optimizer], sharding: str, prefetch: int,
-                           step_group_numel: int, device: torch.device, local_ranks: int,
-                           held: GradsHeld = GradsHeld()) -> Optional[MemoryEstimate]:
-    """Log the per-rank estimate (activations excluded: they need a batch, see ``lightning_shard.memory.estimate``)
-    and warn if it already exceeds what this rank's device has; the estimate, or None if it could not be made."""
+def report_memory_estimate(strategy: Any, trainer: "pl.Trainer") -> Optional[MemoryEstimate]:
+    """Log the per-rank estimate of ``strategy``'s fit (activations excluded: they need a batch, see
+    ``lightning_shard.memory.estimate``) and warn if it already exceeds what this rank's device has; the estimate,
+    or None if it could not be made."""
+    runtime: ShardRuntime = strategy.runtime
+    optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in strategy.optimizers]
+    device, local_ranks = strategy.root_device, strategy.num_processes
+    held = GradsHeld(not strategy.frees_grads_after_step, trainer.accumulate_grad_batches,
+                     strategy.reduce_during_accumulation)
     optimizer = _same_kind(optimizers[0]) if optimizers else torch.optim.SGD
     step = runtime.optimizers.step_of(optimizers[0]) if optimizers else None
     try:
-        estimate = estimate_sharded(runtime, sharding, prefetch, optimizer, whole=step is not None and step.whole,
-                                    step_group_numel=step_group_numel, held=held)
+        estimate = estimate_sharded(runtime, strategy.sharding, strategy.prefetch, optimizer,
+                                    whole=step is not None and step.whole, step_group_numel=strategy.step_group_size,
+                                    held=held)
     except Exception as err:  # an estimate must never stop training
         rank_zero_warn(f"lightning_shard: no memory estimate ({type(err).__name__}: {err}).")
         return None

@@ -23,6 +23,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_shard.checkpoint.hf import init_peft_adapters
+from lightning_shard.lightning.after_step import after_step, frees_grads_after_step
 from lightning_shard.checkpoint.io import validate_state_dict_type
 from lightning_shard.engine.activation_checkpointing import CheckpointSpec, validate_activation_checkpointing
 from lightning_shard.engine.compile import refuse_with_elision, validate_compile
@@ -38,7 +39,6 @@ from lightning_shard.lightning.evaluation import EvaluationHold
 from lightning_shard.lightning.finetuning import record_merged_groups
 from lightning_shard.lightning.guards import refuse_layer_sync_on_sharded, refuse_other_strategies
 from lightning_shard.lightning.memory_report import report_memory_estimate
-from lightning_shard.memory.estimate import GradsHeld
 from lightning_shard.lightning.options import (
     check_count,
     check_declared_optimizers,
@@ -84,6 +84,10 @@ class ShardStrategy(ProcessGroupMixin, EvaluationHold, CheckpointState, Parallel
             ``accumulate_grad_batches``, keeping gradient memory at 1/N; the all-reduce across replicas
             (``hybrid``, ``none``), which saves no memory, runs once, after the last micro-batch. ``False`` skips
             every reduction on non-final micro-batches: less communication, but a full gradient per unit is held.
+        free_grads_after_step: free the gradient shards right after each optimizer step (automatic optimization),
+            not after the next forward as Lightning's ``zero_grad`` would: the same numbers, 4 bytes per parameter
+            over N less at the forward's peak. Kept off where a ``on_before_zero_grad`` or ``optimizer_zero_grad``
+            is overridden (``lightning/after_step.py``).
         mixed_precision: dtypes of gathers/compute, gradient reduction and buffers; wins over the
             Trainer's ``precision`` string (which otherwise decides, see ``lightning_shard.lightning.precision``).
         nonfinite: ``None`` (default, no check), ``"skip"`` (a step whose gradients are not finite on any
@@ -142,6 +146,7 @@ class ShardStrategy(ProcessGroupMixin, EvaluationHold, CheckpointState, Parallel
         elide_backward_gathers: bool = False,
         broadcast_buffers: bool = True,
         reduce_during_accumulation: bool = True,
+        free_grads_after_step: bool = True,
         mixed_precision: Optional[MixedPrecision] = None,
         nonfinite: Optional[str] = None,
         state_dict_type: str = "sharded",
@@ -178,6 +183,8 @@ class ShardStrategy(ProcessGroupMixin, EvaluationHold, CheckpointState, Parallel
         self.elide_backward_gathers = check_flag("elide_backward_gathers", elide_backward_gathers)
         self.broadcast_buffers = check_flag("broadcast_buffers", broadcast_buffers)
         self.reduce_during_accumulation = check_flag("reduce_during_accumulation", reduce_during_accumulation)
+        self.free_grads_after_step = check_flag("free_grads_after_step", free_grads_after_step)
+        self.frees_grads_after_step = False  # decided at setup (after_step.py)
         self.mixed_precision = validate_mixed_precision(mixed_precision)
         self.nonfinite = check_nonfinite(nonfinite)
         self.state_dict_type = validate_state_dict_type(state_dict_type)
@@ -274,12 +281,8 @@ class ShardStrategy(ProcessGroupMixin, EvaluationHold, CheckpointState, Parallel
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
-            optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
-            held = GradsHeld(accumulate_grad_batches=trainer.accumulate_grad_batches,
-                             reduce_during_accumulation=self.reduce_during_accumulation)
-            self.memory_estimate = report_memory_estimate(self.runtime, optimizers, self.sharding, self.prefetch,
-                                                          self.step_group_size, self.root_device, self.num_processes,
-                                                          held)
+            self.frees_grads_after_step = frees_grads_after_step(trainer, self.free_grads_after_step)
+            self.memory_estimate = report_memory_estimate(self, trainer)
 
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:
         """``configure_optimizers`` sees the parameters in their real shapes (placeholders: ``p.ndim`` rules for
@@ -349,7 +352,7 @@ class ShardStrategy(ProcessGroupMixin, EvaluationHold, CheckpointState, Parallel
         with self.runtime.optimizers.stepping(inner):  # the step Lightning (or its gradient scaler) calls
             output = super().optimizer_step(optimizer, closure, model, **kwargs)
         self.runtime.after_optimizer_step()
-        self._log_comm_stats()
+        after_step(self, inner)
         return output
 
     # -- gradient norms: every rank must call these (one all-reduce) ------------------------------------
@@ -372,14 +375,6 @@ class ShardStrategy(ProcessGroupMixin, EvaluationHold, CheckpointState, Parallel
         if names:
             result[f"grad_{norm_type}_norm_total"] = total
         return result
-
-    def _log_comm_stats(self) -> None:
-        trainer = self.lightning_module._trainer if self.lightning_module is not None else None
-        if trainer is None or not trainer.loggers or not self.is_global_zero:
-            return
-        metrics = {f"shard/{k}": float(v) for k, v in self.comm_stats.items()}
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

@@ -1,0 +1,51 @@
+"""What the strategy does once an optimizer step has run: the step's gradients freed at once, where Lightning would
+free them only after the next forward, and the step's communication figures logged.
+
+Lightning's automatic optimization calls ``zero_grad`` between a step's forward and its backward
+(``training_step``, ``zero_grad``, ``backward``), so the last step's gradient shards stay alive through the whole next
+forward, beside its activations: 4 bytes per parameter over N ranks at the forward's peak (a 1.27B GPT at one rank,
+bf16-mixed: 4.9 of 23.7 GB). Freeing them right after the step changes no number, since that ``zero_grad`` is the
+next thing to touch them, except through hooks a LightningModule or a callback overrides: ``on_before_zero_grad``
+(which would see them) or ``optimizer_zero_grad`` (a module that keeps gradients across steps). With either
+overridden, or under manual optimization (where the user places ``zero_grad``), Lightning's timing is kept. Decided
+at setup, from the code every rank runs: the same on every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch.optim import Optimizer
+
+_KEEPING_HOOKS = ("on_before_zero_grad", "optimizer_zero_grad")
+
+
+def frees_grads_after_step(trainer: "pl.Trainer", asked: bool) -> bool:
+    """Whether the strategy may free the gradients right after each optimizer step (``asked``: its option)."""
+    module = trainer.lightning_module
+    if not asked or not module.automatic_optimization:
+        return False
+    if any(is_overridden(hook, module, pl.LightningModule) for hook in _KEEPING_HOOKS):
+        return False
+    return not any(is_overridden("on_before_zero_grad", callback, pl.Callback) for callback in trainer.callbacks)
+
+
+def after_step(strategy: Any, optimizer: Optimizer) -> None:
+    """``optimizer`` (the raw one) has stepped: free its gradients if setup allowed it, and log the step's figures."""
+    if strategy.frees_grads_after_step:
+        optimizer.zero_grad(set_to_none=True)
+    trainer: Optional[pl.Trainer] = getattr(strategy.lightning_module, "_trainer", None)
+    if trainer is None or not trainer.loggers or not strategy.is_global_zero or not _logs_this_step(trainer):
+        return
+    # on a GPU, reading the exposed time waits for the step's last hand-over: once per logged step, as Lightning's
+    # own logging (log_every_n_steps), not once per step
+    metrics = {f"shard/{k}": float(v) for k, v in strategy.comm_stats.items()}
+    for logger in trainer.loggers:
+        logger.log_metrics(metrics, step=trainer.global_step)
+
+
+def _logs_this_step(trainer: "pl.Trainer") -> bool:
+    connector = getattr(trainer, "_logger_connector", None)
+    return bool(getattr(connector, "should_update_logs", True))
