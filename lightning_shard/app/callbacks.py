@@ -19,8 +19,9 @@ import torch
 
 def model_state_bytes(module: torch.nn.Module, optimizers: list) -> int:
     """Bytes of parameters, gradients and optimizer state this rank holds (local shards only; a DTensor
-    counts its local part)."""
-    tensors = [p for p in module.parameters()] + [p.grad for p in module.parameters() if p.grad is not None]
+    counts its local part). A gradient per trainable parameter, as at the optimizer step, whether or not it was
+    freed since (``ShardStrategy(free_grads_after_step=True)``)."""
+    tensors = [p for p in module.parameters()] + [p for p in module.parameters() if p.requires_grad]
     tensors += [v for opt in optimizers for s in opt.state.values() for k, v in s.items()
                 if torch.is_tensor(v) and k != "step"]
     tensors = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
