@@ -22,14 +22,13 @@ but lets the host-step path be tested without a GPU.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from lightning_shard.engine.flat_shard import FlatShard, ParamSlot
+from lightning_shard.engine.fused_default import fused_kernels_on
 
 OFFLOAD = (None, "optimizer", "params")
 
@@ -146,7 +145,8 @@ DEVICE_ONLY_PACKAGES = ("bitsandbytes", "apex", "transformer_engine", "torchao")
 
 def prepare_host_step(optimizer: torch.optim.Optimizer) -> bool:
     """With offload the optimizer steps host tensors: refuse, before the first step, one that cannot. Returns
-    whether its steps should use :func:`fused_where_unchosen` (torch's Adam and AdamW)."""
+    whether its steps should run torch's fused CPU kernel where no implementation was chosen (Adam and AdamW: 3-4x
+    faster than the for-loop torch picks on the CPU, the same formula; ``fused_default.py``)."""
     cls = type(optimizer)
     package = cls.__module__.split(".")[0]
     if package in DEVICE_ONLY_PACKAGES or cls.__module__.startswith("deepspeed.ops.adam.fused_adam"):
@@ -162,24 +162,5 @@ def prepare_host_step(optimizer: torch.optim.Optimizer) -> bool:
     return cls in (torch.optim.Adam, torch.optim.AdamW) and _fused_on_cpu()
 
 
-@contextmanager
-def fused_where_unchosen(optimizer: torch.optim.Optimizer) -> Iterator[None]:
-    """Inside, the param groups that chose no implementation (``fused`` and ``foreach`` None) step with torch's fused
-    CPU kernel: 3-4x faster on the CPU than the for-loop torch picks there, the same formula (rounded apart by an ulp
-    at times). Only for the step: the groups' options (what checkpoints save) stay the user's."""
-    unchosen = [group for group in optimizer.param_groups
-                if group.get("fused") is None and group.get("foreach") is None
-                and not group.get("differentiable") and not group.get("capturable")]
-    for group in unchosen:
-        group["fused"] = True
-    try:
-        yield
-    finally:
-        for group in unchosen:
-            group["fused"] = None
-
-
 def _fused_on_cpu() -> bool:
-    from torch.optim.optimizer import _get_fused_kernels_supported_devices
-
-    return "cpu" in _get_fused_kernels_supported_devices()
+    return fused_kernels_on("cpu")

@@ -20,6 +20,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_shard.engine.collectives import CommStats
+from lightning_shard.engine.fused_default import FusedWhereUnchosen, fused_by_default
 from lightning_shard.engine.groups import ShardGroups
 from lightning_shard.engine.offload import prepare_host_step
 from lightning_shard.engine.optimizer_step import DEFAULT_STEP_GROUP_NUMEL, ShardedStep
@@ -67,11 +68,16 @@ class OptimizerAttachment:
             for i, param in enumerate(params):
                 if self._is_placeholder(param):
                     params[i] = self._placeholders[id(param)][1]  # in place: the optimizer may hold the list
-        fused = any(unit.storage.offloaded for unit in self.units) and prepare_host_step(optimizer)
+        if any(unit.storage.offloaded for unit in self.units):  # stepped on the CPU
+            fused = prepare_host_step(optimizer)
+        else:
+            first = self.units[0].storage if self.units else None
+            fused = (first is not None and not whole
+                     and fused_by_default(type(optimizer), first.shard.device, first.master_dtype))
         where = {id(shard): (u, unit.storage, s) for u, unit in enumerate(self.units)
                  for s, shard in enumerate(unit.storage.shard_params)}
         step = ShardedStep(optimizer, whole, where, self.groups, self.stats, step_group_numel)
-        step.host_fused = fused
+        step.fused = FusedWhereUnchosen(optimizer) if fused else None
         optimizer._shard_step = step  # kept by the optimizer: it lives as long as the optimizer
         return step
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Optional
 
 import torch
@@ -32,7 +32,7 @@ from lightning_shard.engine import collectives
 from lightning_shard.engine.collectives import CommStats, Pending
 from lightning_shard.engine.flat_shard import FlatShard
 from lightning_shard.engine.groups import ShardGroups
-from lightning_shard.engine.offload import fused_where_unchosen
+from lightning_shard.engine.fused_default import FusedWhereUnchosen
 from lightning_shard.engine.optimizer_groups import agree_on_groups
 from lightning_shard.engine.step_plan import OWNERS, SHARDS, VIEWS, Bucket, Entry, StepPlan, params_key, plan_step
 
@@ -65,7 +65,8 @@ class ShardedStep:
         self.groups_merged = 0  # how many times the ranks' param groups differed and were merged
         self.on_merge: Optional[Callable[[], None]] = None  # told after each merge (the strategy's records)
         self._owners: dict[int, int] = {}  # id(shard parameter) -> the owner any plan gave it: its state is there
-        self.host_fused = False  # offload: Adam/AdamW step with the fused CPU kernel where no implementation was chosen
+        # torch's fused kernel where the groups chose no implementation (on a GPU; offload: on the CPU)
+        self.fused: Optional[FusedWhereUnchosen] = None
         if whole:  # its own ``step`` would step 1-D shards, or nothing: only this one may run
             optimizer.register_step_pre_hook(self._refuse_own_step)
 
@@ -127,10 +128,11 @@ class ShardedStep:
     def _step(self, optimizer: Optimizer, **kwargs: Any) -> None:
         """``kwargs``: what the caller gave ``step`` besides the closure, for every group's step."""
         self.agree_on_groups()
+        with self.fused() if self.fused is not None else nullcontext():
+            self._step_buckets(optimizer, functools.partial(_raw_step(optimizer), **kwargs))
+
+    def _step_buckets(self, optimizer: Optimizer, raw: Callable[[Optimizer], Any]) -> None:
         plan = self.plan()
-        raw = functools.partial(_raw_step(optimizer), **kwargs)
-        if self.host_fused:
-            raw = _fused(raw)
         if len(plan.buckets) == 1 and plan.buckets[0].mode == SHARDS:
             raw(optimizer)  # one group holding every parameter as it is: nothing to swap
             return
@@ -279,13 +281,6 @@ def _steps_parameter_by_parameter(optimizer: Optimizer) -> bool:
     temporaries are one parameter's at a time already, and stepping in groups would only fragment host memory."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     return all(p.device.type == "cpu" for p in params) and not any(g.get("foreach") for g in optimizer.param_groups)
-
-
-def _fused(raw: Callable[[Optimizer], Any]) -> Callable[[Optimizer], Any]:
-    def step(optimizer: Optimizer) -> Any:
-        with fused_where_unchosen(optimizer):
-            return raw(optimizer)
-    return step
 
 
 def _raw_step(optimizer: Optimizer) -> Callable[[Optimizer], Any]:

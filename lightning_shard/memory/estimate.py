@@ -51,10 +51,11 @@ from lightning_shard.engine.activation_checkpointing import (
     validate_activation_checkpointing,
     wrap_forward,
 )
-from lightning_shard.engine.optimizer_step import DEFAULT_STEP_GROUP_NUMEL
-from lightning_shard.engine.plan import UnitSpec, plan_units
+from lightning_shard.engine.fused_default import FusedWhereUnchosen, fused_by_default
 from lightning_shard.engine.groups import validate_shard_size, validate_sharding
 from lightning_shard.engine.offload import validate_offload
+from lightning_shard.engine.optimizer_step import DEFAULT_STEP_GROUP_NUMEL
+from lightning_shard.engine.plan import UnitSpec, plan_units
 from lightning_shard.memory.tracker import LiveBytes
 
 MiB = 2**20
@@ -362,10 +363,13 @@ def _probe(optimizer: Callable[..., torch.optim.Optimizer], dtype: torch.dtype, 
     for probe in probes:
         probe.grad = torch.full(probe.shape, 1e-3, dtype=dtype, device=device)
     opt = optimizer(probes)
-    opt.step()  # creates the state
+    # as the sharded step runs it: fused where its groups chose no implementation, on a GPU (fused_default.py)
+    fused = FusedWhereUnchosen(opt) if fused_by_default(type(opt), device, dtype) else contextlib.nullcontext
+    with fused():
+        opt.step()  # creates the state
     states = [v for s in opt.state.values() for v in s.values() if isinstance(v, Tensor)]
     state = sum(v.numel() * v.element_size() for v in states if v.dim() > 0)
-    with LiveBytes() as live:
+    with LiveBytes() as live, fused():
         live.track([*probes, *[p.grad for p in probes], *states])
         live.reset_peak()
         baseline = live.current()
