@@ -233,3 +233,65 @@ def test_a_parameter_used_while_its_unit_is_not_gathered_stops_training():
     loss = model(torch.randint(0, 37, (2, 5))).float().mean()
     with pytest.raises(RuntimeError, match="'blocks.2.* was used while its unit was not gathered"):
         (loss + sum(p.pow(2).sum() for p in model.parameters())).backward()
+
+
+def test_an_fp32_input_to_a_bf16_norm_under_cpu_autocast_is_named_and_fp32_gathers_train():
+    """CPU autocast runs LayerNorm in its input's dtype: a unit whose first op is a norm, fed float32 features, meets
+    its bf16 weights there. torch's "mixed dtype (CPU)" alone does not say why; the strategy says it, and what to do."""
+    import warnings
+
+    import lightning as L
+    import torch.distributed as dist
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_shard import MixedPrecision
+
+    class PreNorm(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm, self.proj = nn.LayerNorm(8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            return x + self.proj(self.norm(x))
+
+    class Lit(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.Sequential(PreNorm(), PreNorm())
+
+        def training_step(self, batch, batch_idx):
+            return self.blocks(batch[0]).float().square().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def fit(strategy):
+        trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, precision="bf16-mixed", max_steps=2,
+                            logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False)
+        initialized = dist.is_initialized()
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                trainer.fit(Lit(), DataLoader(TensorDataset(torch.randn(8, 8)), batch_size=4))
+        finally:
+            if dist.is_initialized() and not initialized:
+                dist.destroy_process_group()
+        return trainer
+
+    with pytest.raises(RuntimeError, match=r"under CPU autocast a unit computing in torch.bfloat16 got a float32 input"
+                                           r".*mixed_precision=MixedPrecision\(\)") as raised:
+        fit(ShardStrategy())
+    assert "mixed dtype (CPU)" in str(raised.value.__cause__)
+    assert fit(ShardStrategy(mixed_precision=MixedPrecision())).global_step == 2  # the advice works
+
+
+def test_sparse_embeddings_are_refused_at_setup_naming_them():
+    from torch import nn
+
+    model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 1), nn.EmbeddingBag(5, 4, sparse=True))
+    with pytest.raises(ValueError, match=r"\['0', '2'\] make sparse gradients \(`sparse=True`\).*sparse=False"):
+        shard_module(model)
+    assert not hasattr(model, "_shard_runtime")
+    shard_module(nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 1)))  # dense: as ever

@@ -19,6 +19,19 @@ def needs_cast(unit: Unit) -> bool:
     return storage.param_dtype != storage.master_dtype and not torch.is_autocast_enabled(storage.device.type)
 
 
+def explain_mixed_dtype_on_cpu(err: RuntimeError, units: list[Unit]) -> None:
+    """Inputs stay as they come under autocast (as without sharding), and CPU autocast runs norms in their input's
+    dtype: an fp32 input meeting a unit's bf16 weights there raises torch's "mixed dtype (CPU)". Say why, and what to
+    do, instead of torch's words alone (CUDA autocast runs norms in fp32 and has no such case)."""
+    lower = sorted({str(u.storage.param_dtype) for u in units if u.storage.param_dtype != u.storage.master_dtype})
+    if "mixed dtype (CPU)" in str(err) and lower:  # (the step's autocast has exited by the time it is caught)
+        raise RuntimeError(
+            f"lightning_shard: under CPU autocast a unit computing in {', '.join(lower)} got a float32 input for an op"
+            " that CPU autocast leaves in its input's dtype (a LayerNorm, GroupNorm or BatchNorm first in the unit):"
+            " its weights and its input differ. Cast that input to the compute dtype in your forward, or gather in"
+            " float32 on the CPU (ShardStrategy(mixed_precision=MixedPrecision()) with bf16-mixed).") from err
+
+
 def cast_floating(flat: list, dtype: torch.dtype) -> list:
     """Each tensor cast once, so a module testing identity (``query is key``) sees the same tensor twice."""
     cast = {id(x): x.to(dtype) for x in flat if isinstance(x, Tensor) and x.is_floating_point()}

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from lightning_shard.engine.arguments import (
     cast_floating,
+    explain_mixed_dtype_on_cpu,
     expects_backward,
     flatten_arguments,
     in_backward,
@@ -123,6 +124,9 @@ class ShardRuntime(HeldUnits, RuntimeOptimizers, RuntimeNorms, ModuleGuards):
         try:
             output = step(*args, **kwargs)
             return output
+        except RuntimeError as err:
+            explain_mixed_dtype_on_cpu(err, self.units)
+            raise
         finally:
             self._exit_step(output)
 

@@ -88,6 +88,7 @@ def shard_module(
     rank = dist.get_rank(group) if distributed else 0
     world = dist.get_world_size(group) if distributed else 1
 
+    _refuse_sparse_gradients(module)
     plans = plan_units(module, units=units, unit_size=unit_size, min_unit_size=min_unit_size)
     if world > 1:
         _check_ranks_agree(plans, group)
@@ -236,6 +237,17 @@ def _flatten(root: nn.Module, plan: UnitPlan) -> tuple[list[ParamSlot], torch.Te
         pieces.append(param.detach().reshape(-1))
         offset += param.numel()
     return slots, torch.cat(pieces)
+
+
+def _refuse_sparse_gradients(root: nn.Module) -> None:
+    """``nn.Embedding(sparse=True)`` (and ``EmbeddingBag``) make sparse gradients, which no flat buffer holds and no
+    reduce-scatter sums (FSDP and DeepSpeed refuse them too): refused at setup, naming the modules."""
+    sparse = [name or "<root>" for name, m in root.named_modules() if getattr(m, "sparse", False) is True
+              and isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
+    if sparse:
+        raise ValueError(f"lightning_shard: {sparse} make sparse gradients (`sparse=True`), which cannot be sharded"
+                         " or reduce-scattered: build them with sparse=False (the default), whose dense gradients"
+                         " any torch.optim optimizer takes.")
 
 
 def _first_real_device(module: nn.Module) -> torch.device:
