@@ -35,7 +35,7 @@ def frees_grads_after_step(trainer: "pl.Trainer", asked: bool) -> bool:
 def after_step(strategy: Any, optimizer: Optimizer) -> None:
     """``optimizer`` (the raw one) has stepped: free its gradients if setup allowed it, and log the step's figures."""
     if strategy.frees_grads_after_step:
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad()  # as LightningModule.optimizer_zero_grad calls it (set_to_none: the optimizer's default)
     trainer: Optional[pl.Trainer] = getattr(strategy.lightning_module, "_trainer", None)
     if trainer is None or not trainer.loggers or not strategy.is_global_zero or not _logs_this_step(trainer):
         return
