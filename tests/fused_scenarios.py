@@ -92,3 +92,39 @@ def counters_after_a_load(rank: int, world: int) -> dict:
     dist.barrier()
     return {"loaded": loaded, "stepped": sorted({str(s["step"].dtype) for s in opt.state.values()}),
             "steps": sorted({s["step"].item() for s in opt.state.values()}), "losses": losses}
+
+
+def sgd_momentum_unfrozen_later(rank: int, world: int, steps: int = 5) -> dict:
+    """SGD with momentum over one group whose first layer is frozen for two steps, then unfrozen (gradual
+    unfreezing): torch's fused SGD fails on a mix of parameters with and without momentum buffers, so that step
+    runs unfused. Against one process on the global batches."""
+    from torch import nn
+
+    fused_default.GPU_DEVICES = ("cpu",)
+    calls = _count_fused_calls()
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 1))
+    sharded = copy.deepcopy(reference)
+    runtime = shard_module(sharded, units=["Linear"])
+    with runtime.shaped_parameters():
+        opt = torch.optim.SGD(sharded.parameters(), lr=0.05, momentum=0.9)
+    runtime.attach_optimizer(opt)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(4, 6, generator=g), torch.randn(4, 1, generator=g)) for _ in range(steps)]
+    size = 4 // world
+    fused_per_step = []
+    for model, optimizer, rows in ((reference, ref_opt, slice(None)), (sharded, opt, slice(rank * size, (rank + 1) * size))):
+        model[0].requires_grad_(False)
+        for step, (x, y) in enumerate(data):
+            if step == 2:
+                model[0].requires_grad_(True)
+            nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+            before = calls["sgd"]
+            optimizer.step() if model is reference else runtime.step(optimizer)
+            if model is sharded:
+                fused_per_step.append(calls["sgd"] - before)
+            optimizer.zero_grad(set_to_none=True)
+    full = full_state_dict(runtime, rank0_only=False)
+    return {"max_diff": max((full[k] - v).abs().max().item() for k, v in reference.state_dict().items()),
+            "fused_per_step": fused_per_step}

@@ -46,6 +46,9 @@ BAD_INPUT = [  # (command, args, what its one line says); all fail before any ra
      "strategy.shard_size=3 must divide the world size 4 (trainer.devices=4 x trainer.num_nodes=1)"),
     (TRAIN, ["+strategy.shard_size=2"], "`shard_size` is the size of hybrid sharding's groups"),
     ("lightning_shard.estimate", ["strategy.sharding=zero9"], "`sharding` must be one of 'full', 'grad_op', 'hybrid', 'none'"),
+    ("lightning_shard.estimate", ["trainer.accumulate_grad_batches=2.5"],
+     "`trainer.accumulate_grad_batches` must be an int >= 1; got 2.5"),
+    (TRAIN, ["trainer.accumulate_grad_batches=0"], "`trainer.accumulate_grad_batches` must be an int >= 1; got 0"),
     ("lightning_shard.consolidate", ["no_such.ckpt"], "does not exist"),
     ("lightning_shard.consolidate", [], "the following arguments are required: checkpoint_dir (see --help)"),
     # never over a directory, nor into the checkpoint being read (files.commit would replace what is there)

@@ -41,3 +41,10 @@ def _fused_devices():
     from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
     return _get_fused_kernels_supported_devices()
+
+
+def test_sgd_momentum_with_a_layer_unfrozen_later_steps_unfused_while_buffers_are_mixed():
+    for report in run_world(fused_scenarios.sgd_momentum_unfrozen_later, 2):
+        assert report["max_diff"] < 1e-6, report
+        # fused while every stepped parameter has a buffer or none has; not at the unfreeze (a mix)
+        assert report["fused_per_step"] == [1, 1, 0, 1, 1], report

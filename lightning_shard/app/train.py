@@ -94,6 +94,9 @@ def check_options(cfg: DictConfig, prog: str) -> None:
                        f" (trainer.devices={devices} x trainer.num_nodes={nodes}).")
     if cfg.precision not in SUPPORTED_PRECISION:
         cli.fail(prog, f"`precision` must be one of {', '.join(SUPPORTED_PRECISION)}; got {cfg.precision!r}.")
+    accumulate = cfg.trainer.get("accumulate_grad_batches", 1)
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+        cli.fail(prog, f"`trainer.accumulate_grad_batches` must be an int >= 1; got {accumulate!r}.")
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")

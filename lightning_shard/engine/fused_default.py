@@ -12,6 +12,10 @@ bit; offload, whose optimizer steps on the CPU, takes the CPU's fused Adam/AdamW
 there: ``offload.py``). Not for other dtypes: torch 2.13's CPU fused SGD steps bf16 parameters wrongly, a reason to
 keep to what both fused and foreach are tested on most.
 
+torch's fused SGD creates momentum buffers only when none of the parameters it steps has one yet, and fails when
+some have and some not (a parameter unfrozen, or used for the first time, after the others' first step: gradual
+unfreezing with one optimizer): such a group steps as torch would choose (foreach) until the mix is gone.
+
 A fused step keeps Adam's ``step`` counters on the parameters' device in fp32, where ``foreach`` keeps them on the
 host: counters that came another way (a checkpoint loaded, a step taken before) are moved before the first fused
 step after it.
@@ -55,7 +59,8 @@ class FusedWhereUnchosen:
 
     @contextmanager
     def __call__(self) -> Iterator[None]:
-        unchosen = unchosen_groups(self.optimizer)
+        unchosen = [group for group in unchosen_groups(self.optimizer)
+                    if not _momentum_buffers_mixed(self.optimizer, group)]
         if not self._counters_placed:
             _place_step_counters(self.optimizer, unchosen)
             self._counters_placed = True
@@ -72,6 +77,14 @@ def unchosen_groups(optimizer: Optimizer) -> list[dict]:
     return [group for group in optimizer.param_groups
             if group.get("fused") is None and group.get("foreach") is None
             and not group.get("differentiable") and not group.get("capturable")]
+
+
+def _momentum_buffers_mixed(optimizer: Optimizer, group: dict) -> bool:
+    """SGD with momentum: some parameters about to be stepped have a momentum buffer, some not."""
+    if not isinstance(optimizer, torch.optim.SGD) or not group.get("momentum"):
+        return False
+    held = {optimizer.state.get(p, {}).get("momentum_buffer") is not None for p in group["params"] if p.grad is not None}
+    return len(held) == 2
 
 
 def _place_step_counters(optimizer: Optimizer, groups: list[dict]) -> None:

@@ -159,7 +159,13 @@ def prepare_host_step(optimizer: torch.optim.Optimizer) -> bool:
             raise ValueError(
                 f"lightning_shard: {cls.__name__}(fused=True) has no CPU kernel in torch {torch.__version__}, and"
                 " with `offload` the optimizer steps on the CPU: use fused=False (or foreach=True), or offload=None.")
-    return cls in (torch.optim.Adam, torch.optim.AdamW) and _fused_on_cpu()
+    return host_step_fused(cls)
+
+
+def host_step_fused(optimizer_class: type) -> bool:
+    """Whether an offloaded step of ``optimizer_class`` runs torch's fused CPU kernel where no implementation was
+    chosen."""
+    return optimizer_class in (torch.optim.Adam, torch.optim.AdamW) and _fused_on_cpu()
 
 
 def _fused_on_cpu() -> bool:

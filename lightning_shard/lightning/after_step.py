@@ -4,11 +4,14 @@ free them only after the next forward, and the step's communication figures logg
 Lightning's automatic optimization calls ``zero_grad`` between a step's forward and its backward
 (``training_step``, ``zero_grad``, ``backward``), so the last step's gradient shards stay alive through the whole next
 forward, beside its activations: 4 bytes per parameter over N ranks at the forward's peak (a 1.27B GPT at one rank,
-bf16-mixed: 4.9 of 23.7 GB). Freeing them right after the step changes no number, since that ``zero_grad`` is the
-next thing to touch them, except through hooks a LightningModule or a callback overrides: ``on_before_zero_grad``
-(which would see them) or ``optimizer_zero_grad`` (a module that keeps gradients across steps). With either
-overridden, or under manual optimization (where the user places ``zero_grad``), Lightning's timing is kept. Decided
-at setup, from the code every rank runs: the same on every rank.
+bf16-mixed: 4.9 of 23.7 GB). Freeing them right after the step changes no number: nothing computes with them before
+that ``zero_grad`` but a module that keeps gradients across steps (its own ``optimizer_zero_grad``), and a hook that
+reads them there (``on_before_zero_grad``) would find them gone. With either overridden (by the module, or the latter
+by a callback), or under manual optimization (where the user places ``zero_grad``), Lightning's timing is kept.
+Code that reads gradients after the step elsewhere (after ``optimizer.step()`` in an overridden ``optimizer_step``,
+in ``on_train_batch_end``) finds None there, and ``strategy.grad_norm()`` an empty dict: read them before the step
+(``on_before_optimizer_step``), or pass ``free_grads_after_step=False``. Decided at setup, from the code every rank
+runs: the same on every rank.
 """
 
 from __future__ import annotations

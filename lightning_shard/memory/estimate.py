@@ -53,7 +53,7 @@ from lightning_shard.engine.activation_checkpointing import (
 )
 from lightning_shard.engine.fused_default import FusedWhereUnchosen, fused_by_default
 from lightning_shard.engine.groups import validate_shard_size, validate_sharding
-from lightning_shard.engine.offload import validate_offload
+from lightning_shard.engine.offload import host_step_fused, validate_offload
 from lightning_shard.engine.optimizer_step import DEFAULT_STEP_GROUP_NUMEL
 from lightning_shard.engine.plan import UnitSpec, plan_units
 from lightning_shard.memory.tracker import LiveBytes
@@ -165,7 +165,7 @@ def estimate_memory(
     activations = (activation_bytes(model, step, batch, param_dtype, plans, spec, device, autocast)
                    if step is not None else 0)
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-    profile = optimizer_profile(optimizer, master, whole, "cpu" if offload else device)
+    profile = optimizer_profile(optimizer, master, whole, "cpu" if offload else device, host_step=offload is not None)
     held = GradsHeld(zero_grad_before_backward, accumulate_grad_batches, reduce_during_accumulation)
     return combine(sizes, master, param_dtype, sharding, prefetch, profile, buffers, activations, step_group_numel,
                    offload, held)
@@ -283,7 +283,8 @@ def estimate_sharded(runtime: Any, sharding: str, prefetch: int, optimizer: Call
                       max(s.numel for s in u.storage.slots)) for u in runtime.units]
     first = runtime.units[0].storage
     buffers = sum(b.numel() * b.element_size() for b in runtime.root.buffers())
-    profile = optimizer_profile(optimizer, first.master_dtype, whole, first.shard.device)  # offloaded: the host
+    profile = optimizer_profile(optimizer, first.master_dtype, whole, first.shard.device,  # offloaded: the host
+                                host_step=first.offloaded)
     return combine(sizes, first.master_dtype, first.param_dtype, sharding, prefetch, profile, buffers, 0,
                    step_group_numel, "optimizer" if first.offloaded and first.keep_on_device
                    else "params" if first.offloaded else None, held)
@@ -338,7 +339,7 @@ def fake_copy(model: nn.Module, batch: Any, fake: FakeTensorMode, device: torch.
 
 
 def optimizer_profile(optimizer: Callable[..., torch.optim.Optimizer], dtype: torch.dtype, whole: bool = False,
-                      device: Union[str, torch.device] = "cpu") -> OptimizerProfile:
+                      device: Union[str, torch.device] = "cpu", host_step: bool = False) -> OptimizerProfile:
     """State and scratch per element from real steps on probes (2-D ones for a whole-parameter optimizer: Muon
     takes nothing else). One probe, then three: temporaries that grow with the number of parameters stepped
     together (``torch._foreach`` lists, the GPU default) count per element of a step group; those that do not
@@ -349,22 +350,24 @@ def optimizer_profile(optimizer: Callable[..., torch.optim.Optimizer], dtype: to
         device = torch.device("cpu")
     shape = (64, 64) if whole else (4096,)
     n = math.prod(shape)
-    state_one, scratch_one = _probe(optimizer, dtype, [shape], device)
-    _, scratch_three = _probe(optimizer, dtype, [shape] * 3, device)
+    state_one, scratch_one = _probe(optimizer, dtype, [shape], device, host_step)
+    _, scratch_three = _probe(optimizer, dtype, [shape] * 3, device, host_step)
     per_parameter = scratch_three < 2.5 * scratch_one
     return OptimizerProfile(state=state_one / n, scratch=(scratch_three if per_parameter else scratch_three / 3) / n,
                             per_parameter=per_parameter, whole=whole)
 
 
 def _probe(optimizer: Callable[..., torch.optim.Optimizer], dtype: torch.dtype, shapes: list[tuple[int, ...]],
-           device: torch.device) -> tuple[int, int]:
+           device: torch.device, host_step: bool = False) -> tuple[int, int]:
     """Bytes of state after a step, and the peak of temporaries during a second step, over ``shapes``."""
     probes = [nn.Parameter(torch.zeros(shape, dtype=dtype, device=device)) for shape in shapes]
     for probe in probes:
         probe.grad = torch.full(probe.shape, 1e-3, dtype=dtype, device=device)
     opt = optimizer(probes)
-    # as the sharded step runs it: fused where its groups chose no implementation, on a GPU (fused_default.py)
-    fused = FusedWhereUnchosen(opt) if fused_by_default(type(opt), device, dtype) else contextlib.nullcontext
+    # as the sharded step runs it: fused where its groups chose no implementation, on a GPU (fused_default.py), and
+    # offloaded (``host_step``) on the CPU for Adam/AdamW (offload.py)
+    runs_fused = host_step_fused(type(opt)) if host_step else fused_by_default(type(opt), device, dtype)
+    fused = FusedWhereUnchosen(opt) if runs_fused else contextlib.nullcontext
     with fused():
         opt.step()  # creates the state
     states = [v for s in opt.state.values() for v in s.values() if isinstance(v, Tensor)]
