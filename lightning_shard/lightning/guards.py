@@ -1,4 +1,5 @@
-"""Refusals for a model that is already sharded: another strategy's Trainer, or a layer conversion after sharding."""
+"""Refusals for a model that is already sharded: another strategy's Trainer, a layer conversion after sharding, or a
+callback that keeps a copy of the model's parameters."""
 
 from __future__ import annotations
 
@@ -34,3 +35,20 @@ def refuse_layer_sync_on_sharded(model: Any) -> None:
             f" ({plain[:4]}) after sharding. Give the Trainer that first sharded it `sync_batchnorm=True`, or use"
             " a fresh model."
         )
+
+
+def refuse_weight_averaging(callbacks: list) -> None:
+    """Lightning's weight-averaging callbacks (``EMAWeightAveraging``, ``WeightAveraging``,
+    ``StochasticWeightAveraging``) copy the LightningModule (before sharding: the whole model on every rank) and
+    average its parameters into the copy, whose shapes the 1-D shards do not match: refused at setup, naming them,
+    rather than a shape error at the first update."""
+    from lightning.pytorch import callbacks as lightning_callbacks
+
+    kinds = tuple(getattr(lightning_callbacks, name) for name in ("WeightAveraging", "StochasticWeightAveraging")
+                  if hasattr(lightning_callbacks, name))
+    averaging = [type(c).__name__ for c in callbacks if isinstance(c, kinds)]
+    if averaging:
+        raise ValueError(
+            f"lightning_shard: {averaging} keep a copy of the whole model and average its parameters, which under"
+            " ShardStrategy are 1-D shards of another shape: not supported yet. Train without it, or average the"
+            " weights from saved checkpoints (python -m lightning_shard.consolidate gives each as one file).")

@@ -37,7 +37,11 @@ from lightning_shard.engine.shard_module import shard_module
 from lightning_shard.lightning.checkpointing import CheckpointState
 from lightning_shard.lightning.evaluation import EvaluationHold
 from lightning_shard.lightning.finetuning import record_merged_groups
-from lightning_shard.lightning.guards import refuse_layer_sync_on_sharded, refuse_other_strategies
+from lightning_shard.lightning.guards import (
+    refuse_layer_sync_on_sharded,
+    refuse_other_strategies,
+    refuse_weight_averaging,
+)
 from lightning_shard.lightning.memory_report import report_memory_estimate
 from lightning_shard.lightning.options import (
     check_count,
@@ -281,6 +285,7 @@ class ShardStrategy(ProcessGroupMixin, EvaluationHold, CheckpointState, Parallel
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+            refuse_weight_averaging(trainer.callbacks)
             self.frees_grads_after_step = frees_grads_after_step(trainer, self.free_grads_after_step)
             self.memory_estimate = report_memory_estimate(self, trainer)
 
