@@ -90,3 +90,12 @@ def test_estimate_reads_the_packaged_configs(tmp_path):
     assert "lightning_shard memory estimate per rank (2 ranks" in proc.stdout
     assert "peak" in proc.stdout
     assert list(tmp_path.iterdir()) == []  # nothing written where it was called
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the case of a machine without CUDA")
+def test_estimate_for_gpus_on_a_machine_without_cuda_says_what_stood_in(tmp_path):
+    proc = run(tmp_path, "lightning_shard.estimate", "trainer=gpu", "trainer.devices=8", "model.model.width=32",
+               "model.model.depth=2", "data.seq_len=32", "data.batch_size=4", "precision=bf16-mixed")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "lightning_shard memory estimate per rank (8 ranks" in proc.stdout
+    assert "activations measured with the CPU's kernels" in proc.stdout

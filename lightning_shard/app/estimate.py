@@ -74,8 +74,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = compose(config_name="config", overrides=overrides)
     check_options(cfg, PROG)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # self.log() without a Trainer, in the model's training_step
+    with warnings.catch_warnings(record=True) as caught:  # self.log() without a Trainer, in the model's training_step
+        warnings.simplefilter("always")
         estimate, world = estimate_config(cfg)
     print(f"lightning_shard memory estimate per rank ({world} ranks, {' '.join(overrides) or 'defaults'}):")
     print(estimate.table())
+    for note in dict.fromkeys(str(w.message) for w in caught if str(w.message).startswith("lightning_shard:")):
+        print(note)

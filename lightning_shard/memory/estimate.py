@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Optional, Union
@@ -295,9 +296,16 @@ def activation_bytes(model: nn.Module, step: Callable[[nn.Module, Any], Tensor],
                      activation_checkpointing: Any = False, device: Union[str, torch.device] = "cpu",
                      autocast: Optional[torch.dtype] = None) -> int:
     """Peak bytes above the parameters during one forward and backward, run on fake tensors of ``device`` (under
-    ``torch.autocast`` with ``autocast`` as training runs it)."""
+    ``torch.autocast`` with ``autocast`` as training runs it). Estimating for a GPU on a machine without CUDA, the
+    CPU's kernels stand in (a torch without CUDA cannot run CUDA ops even on fake tensors), with a warning."""
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        warnings.warn("lightning_shard: estimating for a GPU without CUDA here: activations measured with the CPU's"
+                      " kernels and autocast rules (attention and norms may keep other temporaries on a GPU).",
+                      stacklevel=3)
+        device = torch.device("cpu")
     fake = FakeTensorMode()
-    shadow, fake_batch = fake_copy(model, batch, fake, torch.device(device), param_dtype)
+    shadow, fake_batch = fake_copy(model, batch, fake, device, param_dtype)
     if activation_checkpointing:
         plans = plans if plans is not None else plan_units(shadow)
         members = [[shadow.get_submodule(name) for name in plan.members] for plan in plans
@@ -307,7 +315,6 @@ def activation_bytes(model: nn.Module, step: Callable[[nn.Module, Any], Tensor],
     for param in shadow.parameters():  # a gradient leaves at once: the engine reduces it, counted apart
         if param.requires_grad:
             param.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
-    device = torch.device(device)
     cast = (torch.autocast(device.type, dtype=autocast) if autocast is not None else contextlib.nullcontext())
     with fake, LiveBytes() as live:
         live.track([*shadow.parameters(), *shadow.buffers(), *_tensors(fake_batch)])
