@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from lightning_shard.engine.shard_module import shard_module
@@ -55,7 +53,9 @@ def through_lightning(rank: int, world: int, precision: str, accumulate: int, fr
     from lightning_shard import ShardStrategy
     from lightning_shard.lightning.precision import ShardPrecision
 
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))  # the world's ranks are the Trainer's
+    from tests.finetuning_scenarios import _as_lightning_rank
+
+    _as_lightning_rank(rank, world)  # the world's ranks are the Trainer's
     measured_step = 2
 
     class Module(L.LightningModule):

@@ -4,16 +4,14 @@ Trainers that come after ``fit`` give the plain model's numbers or stop at once,
 from __future__ import annotations
 
 import copy
-import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lightning_shard.checkpoint.full import full_state_dict
 from lightning_shard.engine.shard_module import shard_module
-from tests.world import run_world
+from tests.world import one_rank_here, run_world
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -227,27 +225,21 @@ def test_after_fit_state_dict_works_a_second_trainer_goes_on_and_others_are_refu
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          use_distributed_sampler=False)  # the batches in order, as in the plain loop below
 
-    initialized = dist.is_initialized()
     torch.manual_seed(0)
     lit = Lit()
     plain = copy.deepcopy(lit.net)
     x = torch.randn(8, 5, generator=torch.Generator().manual_seed(2))
     data = DataLoader(TensorDataset(x), batch_size=4)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            trainer(ShardStrategy(units=[Block])).fit(lit, data)
-            assert lit.state_dict()["net.blocks.0.lin.weight"].shape == (6, 6)  # the full one, after fit
-            trainer(ShardStrategy(units=[Block])).fit(lit, data)  # a second Trainer trains on
-            with pytest.raises(ValueError, match=r"sharded already.*units=\('Block',\) then, units=None now"):
-                trainer(ShardStrategy()).fit(lit, data)
-            with pytest.raises(ValueError, match=r"param_dtype=None then, param_dtype=torch\.bfloat16 now"):
-                trainer(ShardStrategy(units=[Block], mixed_precision=_bf16())).fit(lit, data)
-            with pytest.raises(RuntimeError, match=r"a Trainer with SingleDeviceStrategy cannot run it"):
-                trainer("auto").fit(lit, data)
-    finally:
-        if dist.is_initialized() and not initialized:
-            dist.destroy_process_group()
+    with one_rank_here():
+        trainer(ShardStrategy(units=[Block])).fit(lit, data)
+        assert lit.state_dict()["net.blocks.0.lin.weight"].shape == (6, 6)  # the full one, after fit
+        trainer(ShardStrategy(units=[Block])).fit(lit, data)  # a second Trainer trains on
+        with pytest.raises(ValueError, match=r"sharded already.*units=\('Block',\) then, units=None now"):
+            trainer(ShardStrategy()).fit(lit, data)
+        with pytest.raises(ValueError, match=r"param_dtype=None then, param_dtype=torch\.bfloat16 now"):
+            trainer(ShardStrategy(units=[Block], mixed_precision=_bf16())).fit(lit, data)
+        with pytest.raises(RuntimeError, match=r"a Trainer with SingleDeviceStrategy cannot run it"):
+            trainer("auto").fit(lit, data)
     opt = torch.optim.SGD(plain.parameters(), lr=0.1)
     for _ in range(2):  # two fits of two steps: the same two batches twice
         for (batch,) in data:
@@ -280,21 +272,15 @@ def test_sync_batchnorm_converts_on_the_first_setup_even_a_validate_before_fit()
         def validation_step(self, batch, batch_idx):
             self.net(batch[0])
 
-    initialized = dist.is_initialized()
     lit = Lit()
     data = DataLoader(TensorDataset(torch.randn(8, 5)), batch_size=4)
     trainer = L.Trainer(strategy=ShardStrategy(), accelerator="cpu", devices=1, sync_batchnorm=True,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            trainer.validate(lit, data)
-            # the model is sharded once, so converted then (SyncBatchNorm trains on GPUs only: no fit here)
-            assert isinstance(lit.net[1], nn.SyncBatchNorm)
-    finally:
-        if dist.is_initialized() and not initialized:
-            dist.destroy_process_group()
+    with one_rank_here():
+        trainer.validate(lit, data)
+        # the model is sharded once, so converted then (SyncBatchNorm trains on GPUs only: no fit here)
+        assert isinstance(lit.net[1], nn.SyncBatchNorm)
 
 
 @pytest.mark.parametrize("callback", ["EMAWeightAveraging", "StochasticWeightAveraging"])
@@ -322,11 +308,5 @@ def test_weight_averaging_callbacks_are_refused_at_setup_naming_them(callback):
     trainer = L.Trainer(strategy=ShardStrategy(), accelerator="cpu", devices=1, max_steps=2, logger=False,
                         callbacks=[averaging], enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)
-    initialized = dist.is_initialized()
-    try:
-        with warnings.catch_warnings(), pytest.raises(ValueError, match=rf"\['{callback}'\] keep a copy of the whole"):
-            warnings.simplefilter("ignore")
-            trainer.fit(Lit(), DataLoader(TensorDataset(torch.randn(8, 5)), batch_size=4))
-    finally:
-        if dist.is_initialized() and not initialized:
-            dist.destroy_process_group()
+    with one_rank_here(), pytest.raises(ValueError, match=rf"\['{callback}'\] keep a copy of the whole"):
+        trainer.fit(Lit(), DataLoader(TensorDataset(torch.randn(8, 5)), batch_size=4))

@@ -4,12 +4,11 @@ could see the difference, and the communication figures logged every ``log_every
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
+
+from tests.world import one_rank_here
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -65,14 +64,8 @@ def _fit(module, strategy, callbacks=(), logger=False, log_every_n_steps=50):
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=1, logger=logger,
                         callbacks=list(callbacks), log_every_n_steps=log_every_n_steps, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False)
-    initialized = dist.is_initialized()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            trainer.fit(module, data)
-    finally:
-        if dist.is_initialized() and not initialized:
-            dist.destroy_process_group()
+    with one_rank_here():
+        trainer.fit(module, data)
     return trainer
 
 

@@ -238,14 +238,12 @@ def test_a_parameter_used_while_its_unit_is_not_gathered_stops_training():
 def test_an_fp32_input_to_a_bf16_norm_under_cpu_autocast_is_named_and_fp32_gathers_train():
     """CPU autocast runs LayerNorm in its input's dtype: a unit whose first op is a norm, fed float32 features, meets
     its bf16 weights there. torch's "mixed dtype (CPU)" alone does not say why; the strategy says it, and what to do."""
-    import warnings
-
     import lightning as L
-    import torch.distributed as dist
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_shard import MixedPrecision
+    from tests.world import one_rank_here
 
     class PreNorm(nn.Module):
         def __init__(self) -> None:
@@ -270,14 +268,8 @@ def test_an_fp32_input_to_a_bf16_norm_under_cpu_autocast_is_named_and_fp32_gathe
         trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, precision="bf16-mixed", max_steps=2,
                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
                             enable_model_summary=False)
-        initialized = dist.is_initialized()
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                trainer.fit(Lit(), DataLoader(TensorDataset(torch.randn(8, 8)), batch_size=4))
-        finally:
-            if dist.is_initialized() and not initialized:
-                dist.destroy_process_group()
+        with one_rank_here():
+            trainer.fit(Lit(), DataLoader(TensorDataset(torch.randn(8, 8)), batch_size=4))
         return trainer
 
     with pytest.raises(RuntimeError, match=r"under CPU autocast a unit computing in torch.bfloat16 got a float32 input"

@@ -15,7 +15,9 @@ import socket
 import tempfile
 import traceback
 from datetime import timedelta
-from typing import Any, Callable
+import warnings
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -98,3 +100,17 @@ def run_world(fn: Callable, world_size: int, *args: Any, timeout: float = 240, p
             with open(path, "rb") as f:
                 results.append(pickle.load(f))
         return results
+
+
+@contextmanager
+def one_rank_here() -> Iterator[None]:
+    """Trainers with ``devices=1`` run in this process: quiet, and the process group they start destroyed after, so
+    that the next test (or world) starts without one."""
+    initialized = dist.is_initialized()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        if dist.is_initialized() and not initialized:
+            dist.destroy_process_group()
