@@ -23,7 +23,6 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_shard.checkpoint.hf import init_peft_adapters
-from lightning_shard.lightning.after_step import after_step, frees_grads_after_step
 from lightning_shard.checkpoint.io import validate_state_dict_type
 from lightning_shard.engine.activation_checkpointing import CheckpointSpec, validate_activation_checkpointing
 from lightning_shard.engine.compile import refuse_with_elision, validate_compile
@@ -34,6 +33,7 @@ from lightning_shard.engine.optimizer_step import DEFAULT_STEP_GROUP_NUMEL
 from lightning_shard.engine.optimizers import WHOLE, optimizer_kind
 from lightning_shard.engine.plan import UnitSpec, validate_min_unit_size, validate_unit_size, validate_units
 from lightning_shard.engine.shard_module import shard_module
+from lightning_shard.lightning.after_step import after_step, frees_grads_after_step
 from lightning_shard.lightning.checkpointing import CheckpointState
 from lightning_shard.lightning.evaluation import EvaluationHold
 from lightning_shard.lightning.finetuning import record_merged_groups
@@ -90,7 +90,7 @@ class ShardStrategy(ProcessGroupMixin, EvaluationHold, CheckpointState, Parallel
             every reduction on non-final micro-batches: less communication, but a full gradient per unit is held.
         free_grads_after_step: free the gradient shards right after each optimizer step (automatic optimization),
             not after the next forward as Lightning's ``zero_grad`` would: the same numbers, 4 bytes per parameter
-            over N less at the forward's peak. Kept off where a ``on_before_zero_grad`` or ``optimizer_zero_grad``
+            over N less at the forward's peak. Kept off where an ``on_before_zero_grad`` or ``optimizer_zero_grad``
             is overridden (``lightning/after_step.py``).
         mixed_precision: dtypes of gathers/compute, gradient reduction and buffers; wins over the
             Trainer's ``precision`` string (which otherwise decides, see ``lightning_shard.lightning.precision``).
