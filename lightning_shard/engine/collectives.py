@@ -64,6 +64,11 @@ class Pending:
     label: str = ""  # what the collective was for, for error messages
     copy_back: Optional[tuple[Tensor, Tensor]] = None  # (host result, its device copy the collective wrote)
 
+    @property
+    def has_work_left(self) -> bool:
+        """Whether :meth:`wait` has anything to do (else the result is there as issued)."""
+        return self.work is not None or self.copy_back is not None or self.version_guard is not None
+
     def wait(self) -> Tensor:
         if self.work is not None:
             start = time.perf_counter()

@@ -33,6 +33,7 @@ class GatherSchedule:
         self.peak_gathered_bytes = 0
         self.trace: Optional[list[tuple[str, str]]] = None  # (collective, unit) in issue order, for tests
         self.order: list[Unit] = []  # forward order of units recorded on the previous step
+        self._backward_order: list[Unit] = []  # the same, reversed
         self._current_order: list[Unit] = []
         self._forward_cursor = 0
         self._backward_cursor = 0
@@ -62,6 +63,7 @@ class GatherSchedule:
             streams.reads(("shard", unit.name))
             if storage.world_size == 1:  # replicated, computing in a lower dtype: the gathered copy is a cast
                 storage.fill_gathered(storage.gathered_data)
+                streams.writes(("gathered", unit.name))
                 unit.inflight = Pending(None, buffer, self.stats)
             else:
                 unit.inflight = collectives.all_gather(
@@ -72,9 +74,10 @@ class GatherSchedule:
     def _land(self, unit: Unit) -> None:
         """The unit's all-gather completes on the gather stream, whose work compute then waits for."""
         assert unit.inflight is not None
-        with self.streams.on("gather"):
-            unit.inflight.wait()
-            self.streams.writes(("gathered", unit.name))
+        if unit.inflight.has_work_left:  # else (a cast at one rank) the gather stream has written it already
+            with self.streams.on("gather"):
+                unit.inflight.wait()
+                self.streams.writes(("gathered", unit.name))
         unit.inflight = None
         self.streams.handover("gather", "compute")
 
@@ -128,7 +131,7 @@ class GatherSchedule:
 
     def backward_reached(self, unit: Unit, needs_gather: Callable[[Unit], bool]) -> None:
         """Prefetch the units whose backward follows ``unit``'s, those of them that need a gather at all."""
-        self._backward_cursor = self._prefetch_after(unit, self.order[::-1], self._backward_cursor, needs_gather)
+        self._backward_cursor = self._prefetch_after(unit, self._backward_order, self._backward_cursor, needs_gather)
 
     def _prefetch_after(self, unit: Optional[Unit], order: list[Unit], cursor: int,
                         needs_gather: Optional[Callable[[Unit], bool]] = None) -> int:
@@ -136,6 +139,8 @@ class GatherSchedule:
 
         ``unit=None`` means the start of ``order``. A unit not found (the order changed) prefetches nothing.
         """
+        if not self.prefetch:
+            return cursor
         if unit is None:
             position = -1
         else:
@@ -159,4 +164,4 @@ class GatherSchedule:
                 "lightning_shard: the order in which units run changed between steps; prefetching follows the"
                 " newest order (results are unaffected, only the overlap of communication with compute)."
             )
-        self.order = current
+        self.order, self._backward_order = current, current[::-1]

@@ -112,12 +112,17 @@ class HostStreams(Streams):
 
 
 class CudaStreams(Streams):
-    """Dedicated high-priority gather and reduce streams on ``device``, events for every hand-over."""
+    """Dedicated high-priority gather and reduce streams on ``device``, events for every hand-over.
+
+    Note: each hand-over re-records one event per (producer, consumer) pair: a wait enqueued on a stream waits for
+    the event's record at that moment, so later records leave it as it was (FSDP2 reuses its events likewise); only
+    the pairs timing the compute stream's waits are new per hand-over, kept until the step's figure is read."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._side = {name: torch.cuda.Stream(device, priority=-1) for name in ("gather", "reduce")}
         self._compute: list[torch.cuda.Stream] = []  # the caller's stream, saved while a side stream is current
+        self._events = {(p, c): torch.cuda.Event() for p in STREAMS for c in STREAMS if p != c}
         self._stalls: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._folded_seconds = 0.0  # stalls already measured, of a long loop with no step closed (evaluation)
 
@@ -126,17 +131,11 @@ class CudaStreams(Streams):
             return self._compute[-1] if self._compute else torch.cuda.current_stream(self.device)
         return self._side[name]
 
-    @contextmanager
-    def on(self, stream: str) -> Iterator[None]:
-        self._compute.append(self._stream("compute"))
-        try:
-            with torch.cuda.stream(self._side[stream]):
-                yield
-        finally:
-            self._compute.pop()
+    def on(self, stream: str) -> "_OnSideStream":
+        return _OnSideStream(self, self._side[stream])
 
     def handover(self, producer: str, consumer: str) -> None:
-        event = torch.cuda.Event()
+        event = self._events[producer, consumer]
         event.record(self._stream(producer))
         waiting = self._stream(consumer)
         if consumer != "compute":
@@ -162,6 +161,32 @@ class CudaStreams(Streams):
         """Blocks until the step's last hand-over has run: call it only when the figure is read."""
         folded, *pairs = closed
         return folded + _seconds(pairs)
+
+
+class _OnSideStream:
+    """``with streams.on(name):`` a side stream current for the work issued inside, what was current restored after.
+    A plain object, not ``torch.cuda.stream()`` under ``@contextmanager``: it runs twice per unit per step.
+
+    Note: ``torch.cuda.set_stream`` also makes the stream's device the current one: where another device was current
+    (the engine used alone, its device not set as current), both that device and the stream are restored."""
+
+    __slots__ = ("streams", "side", "previous", "current")
+
+    def __init__(self, streams: CudaStreams, side: torch.cuda.Stream) -> None:
+        self.streams, self.side = streams, side
+
+    def __enter__(self) -> None:
+        streams = self.streams
+        streams._compute.append(streams._stream("compute"))
+        self.previous = torch.cuda.current_stream(streams.device)  # this device's (another side stream, nested)
+        self.current = torch.cuda.current_stream()  # the current device's
+        torch.cuda.set_stream(self.side)
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.cuda.set_stream(self.previous)
+        if self.current.device_index != self.previous.device_index:
+            torch.cuda.set_stream(self.current)
+        self.streams._compute.pop()
 
 
 def _seconds(pairs: list) -> float:
