@@ -124,3 +124,28 @@ def bf16_params_without_autocast(rank: int, world: int, steps: int = 4):
 
     assert_matches(runtime, reference, "bf16 params, no autocast")
     return True
+
+
+class _LaterBranch(nn.Module):
+    """``b`` is used from the second call on: its first gradient comes while ``a`` already has one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.use_b = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.tanh(self.a(x))
+        return (self.b(y) if self.use_b else y).pow(2).sum()
+
+
+def accumulation_with_create_graph(rank: int, world: int, create_graph: bool) -> dict[str, torch.Tensor]:
+    """Two backwards at one rank computing in bf16, ``create_graph`` as given: the gradient shards they leave."""
+    torch.manual_seed(0)
+    model = _LaterBranch()
+    shard_module(model, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    model(x).backward(create_graph=create_graph)
+    model.use_b = True
+    model(x).backward(create_graph=create_graph)
+    return {name: p.grad.detach().clone() for name, p in model.named_parameters()}

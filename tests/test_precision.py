@@ -70,3 +70,15 @@ def test_a_retained_graph_runs_backward_again_with_its_units_gathered_again():
     loss.backward()
     for name, param in model.named_parameters():
         assert torch.equal(param.grad, 2 * once[name]), name
+
+
+def test_gradients_accumulate_the_same_when_backward_creates_a_graph():
+    """One rank computing in bf16 casts a unit's gradients into a flat buffer, which requires grad under
+    ``create_graph=True``: a parameter's first gradient, added to the others' in that buffer, must not be an in-place
+    change autograd refuses (a ``split()`` view's was), nor differ from the same backwards without a graph."""
+    plain = run_world(scenarios.accumulation_with_create_graph, 1, False)[0]
+    graphed = run_world(scenarios.accumulation_with_create_graph, 1, True)[0]
+    assert plain.keys() == graphed.keys() == {"a.weight", "a.bias", "b.weight", "b.bias"}
+    for name, grad in plain.items():
+        assert grad.abs().sum() > 0, name
+        torch.testing.assert_close(graphed[name], grad, rtol=0, atol=0, msg=name)

@@ -77,9 +77,6 @@ class FlatShard:
 
         self._allocated = True  # the gathered buffer has its storage (a flag: asking the storage costs more)
         self.shard_ranges = [self.shard_range(s) for s in slots]  # read at every step's gradient hand-over
-        # the slots' parts of the local shard in order, then its padding: one split makes every ``.grad`` view
-        self._grad_split = [hi - lo for lo, hi in self.shard_ranges]
-        self._grad_split.append(self.shard_numel - sum(self._grad_split))
         self._padding = self.padded_numel - sum(s.numel for s in slots)
         self.shard_params = [self._make_shard_param(s) for s in slots]
         self.gathered_params = [
@@ -305,12 +302,12 @@ class FlatShard:
             shard_grad.add_(reduced)
             return
         new_views = {}
-        pieces = reduced.split(self._grad_split)  # slot i's part is pieces[i] (the slots tile the shard in order)
         for i in self.trainable:
             param = self.shard_params[i]
             if i not in used and param.grad is None:
                 continue
-            view = pieces[i]
+            lo, hi = self.shard_ranges[i]
+            view = reduced[lo:hi]  # a slice, not one of split()'s views: those refuse the in-place add under autograd
             if param.grad is not None:
                 view.add_(param.grad)
             param.grad = view

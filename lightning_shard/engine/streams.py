@@ -115,7 +115,7 @@ class CudaStreams(Streams):
     """Dedicated high-priority gather and reduce streams on ``device``, events for every hand-over.
 
     Note: each hand-over re-records one event per (producer, consumer) pair: a wait enqueued on a stream waits for
-    the event's record at that moment, so later records leave it as it was (FSDP2 reuses its events likewise); only
+    the event's record at that moment, so later records leave it as it was; only
     the pairs timing the compute stream's waits are new per hand-over, kept until the step's figure is read."""
 
     def __init__(self, device: torch.device) -> None:
@@ -177,16 +177,22 @@ class _OnSideStream:
 
     def __enter__(self) -> None:
         streams = self.streams
-        streams._compute.append(streams._stream("compute"))
         self.previous = torch.cuda.current_stream(streams.device)  # this device's (another side stream, nested)
         self.current = torch.cuda.current_stream()  # the current device's
-        torch.cuda.set_stream(self.side)
+        streams._compute.append(streams._stream("compute"))
+        try:
+            torch.cuda.set_stream(self.side)
+        except BaseException:
+            streams._compute.pop()
+            raise
 
     def __exit__(self, *exc: Any) -> None:
-        torch.cuda.set_stream(self.previous)
-        if self.current.device_index != self.previous.device_index:
-            torch.cuda.set_stream(self.current)
-        self.streams._compute.pop()
+        try:
+            torch.cuda.set_stream(self.previous)
+            if self.current.device_index != self.previous.device_index:
+                torch.cuda.set_stream(self.current)
+        finally:
+            self.streams._compute.pop()
 
 
 def _seconds(pairs: list) -> float:
