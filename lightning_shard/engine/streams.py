@@ -115,8 +115,8 @@ class CudaStreams(Streams):
     """Dedicated high-priority gather and reduce streams on ``device``, events for every hand-over.
 
     Note: each hand-over re-records one event per (producer, consumer) pair: a wait enqueued on a stream waits for
-    the event's record at that moment, so later records leave it as it was; only
-    the pairs timing the compute stream's waits are new per hand-over, kept until the step's figure is read."""
+    the event's record at that moment, so later records leave it as it was. Only the pairs timing the compute
+    stream's waits are new per hand-over, kept until the step's figure is read."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
