@@ -83,9 +83,7 @@ class ShardRuntime(HeldUnits, RuntimeOptimizers, RuntimeNorms, ModuleGuards):
         self._training_forward_since_step = True
         device = units[0].storage.device if units else torch.device("cpu")
         self.streams = streams_for(device, check=os.environ.get(CHECK_STREAMS) == "1")
-        # nothing to prefetch where no unit is ever gathered (one rank computing in its shards)
-        gathers = any(not unit.storage.aliases_shard for unit in units)
-        self.schedule = GatherSchedule(groups.shard, self.stats, prefetch if gathers else 0, self.streams)
+        self.schedule = GatherSchedule(groups.shard, self.stats, prefetch, self.streams)
         self.elision = BackwardElision(units, self.schedule, elide_backward_gathers, groups.agreements,
                                        self.world_size, self.stats)
         self.reducer = GradientReducer(units, groups, reduce_dtype, self.stats, self.schedule)
