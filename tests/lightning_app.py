@@ -23,10 +23,13 @@ from tests.models import TinyGPT  # noqa: E402
 
 
 class LitGPT(L.LightningModule):
-    def __init__(self, manual: bool = False, clip: float | None = None, optimizer: str = "adamw") -> None:
+    def __init__(self, manual: bool = False, clip: float | None = None, optimizer: str = "adamw",
+                 adamw_implementation: str | None = None) -> None:
         super().__init__()
         self.model = TinyGPT()
         self.automatic_optimization, self.clip, self.optimizer = not manual, clip, optimizer
+        # AdamW's kernel as the user would choose it: None (torch's default), "foreach" or "fused"
+        self.adamw_options = {adamw_implementation: True} if adamw_implementation else {}
         self.grad_norms: list[float] = []  # manual optimization: the total gradient norm before clipping
         self.val_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=37, average="micro")
         self.test_mean = torchmetrics.MeanMetric()
@@ -80,11 +83,11 @@ class LitGPT(L.LightningModule):
         others = [p for p in self.parameters() if p.dim() < 2]
         groups = [{"params": matrices, "weight_decay": 0.1}, {"params": others, "weight_decay": 0.0}]
         if self.optimizer == "muon":  # Muon for the matrices, AdamW for the rest: two optimizers (manual)
-            opts = [torch.optim.Muon(matrices, lr=0.02, weight_decay=0.01), torch.optim.AdamW(others, lr=1e-2)]
+            opts = [torch.optim.Muon(matrices, lr=0.02, weight_decay=0.01), torch.optim.AdamW(others, lr=1e-2, **self.adamw_options)]
         elif self.optimizer == "adafactor":
             opts = [torch.optim.Adafactor(groups, lr=1e-2)]
         else:
-            opts = [torch.optim.AdamW(groups, lr=1e-2)]
+            opts = [torch.optim.AdamW(groups, lr=1e-2, **self.adamw_options)]
         return opts, [torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5) for opt in opts]
 
 

@@ -26,8 +26,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # -- one rank on one GPU, through the Trainer ---------------------------------------------------------------------
-def fit(strategy, precision: str, device: str, optimizer: str = "adamw") -> dict:
-    """One epoch (24 steps) of tests/lightning_app.py's LitGPT; per-step losses and the final full state."""
+def fit(strategy, precision: str, device: str, optimizer: str = "adamw", adamw: str | None = None) -> dict:
+    """One epoch (24 steps) of tests/lightning_app.py's LitGPT; per-step losses and the final full state.
+    ``adamw``: AdamW's implementation as the user chose it (None: not chosen)."""
     import lightning as L
 
     from lightning_shard import ShardStrategy
@@ -39,7 +40,7 @@ def fit(strategy, precision: str, device: str, optimizer: str = "adamw") -> dict
             self.param_device = str(next(pl_module.parameters()).device)
 
     torch.manual_seed(0)
-    module = LitGPT(manual=optimizer == "muon", optimizer=optimizer)
+    module = LitGPT(manual=optimizer == "muon", optimizer=optimizer, adamw_implementation=adamw)
     initial = {k: v.detach().clone() for k, v in module.state_dict().items()}
     where_it_ran = WhereItRan()
     trainer = L.Trainer(
@@ -51,12 +52,15 @@ def fit(strategy, precision: str, device: str, optimizer: str = "adamw") -> dict
     )
     trainer.fit(module, loader(1))
     if isinstance(strategy, ShardStrategy):
+        from lightning_shard.engine.fused_default import unchosen_groups
+
         runtime = strategy.runtime
         state = full_state_dict(runtime)
         step = runtime.optimizers.step_of(trainer.optimizers[0])
         where = {"units": len(runtime.units), "shard_device": str(runtime.units[0].storage.shard.device),
                  "backend": torch.distributed.get_backend(), "pinned": runtime.units[0].storage.shard.is_pinned(),
-                 "fused": step is not None and step.fused is not None}
+                 # stepped by torch's fused kernel where the groups chose no implementation
+                 "fused": step is not None and step.fused is not None and bool(unchosen_groups(trainer.optimizers[0]))}
     else:
         state = {k: v.detach().cpu() for k, v in module.state_dict().items()}
         where = {"param_device": where_it_ran.param_device}
@@ -66,10 +70,16 @@ def fit(strategy, precision: str, device: str, optimizer: str = "adamw") -> dict
 def fit_all(out: str, precision: str, device: str) -> None:
     from lightning_shard import MixedPrecision, ShardStrategy
 
-    results = {"plain": fit("auto", precision, device),  # Lightning's single-device strategy: no sharding code
+    # Lightning's single-device strategy (no sharding code), with torch's AdamW as torch picks it on a GPU (foreach)
+    # and fused, which the sharded step picks where the user chose neither (engine/fused_default.py)
+    results = {"plain": fit("auto", precision, device),
+               "plain_fused": fit("auto", precision, device, adamw="fused"),
                "shard": fit(ShardStrategy(units=["Block"], prefetch=1), precision, device)}
-    if precision == "32-true":  # Muon (2-D) + AdamW in manual optimization: whole parameters stepped in place
-        results["plain_muon"] = fit("auto", precision, device, optimizer="muon")
+    if precision == "32-true":
+        # the user's choice of kernel is kept
+        results["shard_foreach"] = fit(ShardStrategy(units=["Block"], prefetch=1), precision, device, adamw="foreach")
+        # Muon (2-D) + AdamW in manual optimization: whole parameters stepped in place
+        results["plain_muon"] = fit("auto", precision, device, optimizer="muon", adamw="fused")
         results["shard_muon"] = fit(ShardStrategy(units=["Block"], prefetch=1), precision, device, optimizer="muon")
     for offload in ("optimizer", "params"):  # the training state in pinned host memory, stepped by the CPU
         results[f"shard_offload_{offload}"] = fit(ShardStrategy(units=["Block"], prefetch=1, offload=offload),
@@ -101,6 +111,8 @@ def assert_same_training(run: dict, reference: dict, rtol: float, atol: float, n
 def assert_ran_on_the_gpu(results: dict) -> None:
     assert results["plain"]["param_device"] == "cuda:0"
     for name, run in results.items():
+        if name.startswith("plain"):
+            continue
         if name.startswith("shard_offload"):
             assert run["shard_device"] == "cpu" and run["pinned"] and run["backend"] == "nccl", (name, run)
         elif name.startswith("shard"):
@@ -111,14 +123,16 @@ def assert_ran_on_the_gpu(results: dict) -> None:
 def test_world_size_one_32_true_matches_plain_lightning(tmp_path):
     results = run_fit_all(tmp_path, "32-true")
     assert_ran_on_the_gpu(results)
-    # The same fp32 kernels on the same data but AdamW's: the sharded step runs torch's fused kernel where plain
-    # torch picks foreach (engine/fused_default.py), the same formula rounded apart by an ulp at times (lr 1e-2:
-    # 1e-10 on a parameter per step). Otherwise what differs is where the parameters live (views into a flat
-    # buffer) and the engine's world-1 reduction (a division by 1); on the CPU the two runs are bit-identical. 1e-6
-    # relative leaves room for that and for a kernel picked for another alignment; a stale or missing gradient or a
-    # buffer read before its stream hand-over moves the losses by far more.
-    assert results["shard"]["fused"]  # AdamW with no implementation chosen, on the GPU
-    assert_same_training(results["shard"], results["plain"], rtol=1e-6, atol=1e-7, name="32-true")
+    # The same fp32 kernels on the same data: what differs is where the parameters live (views into a flat buffer)
+    # and the engine's world-1 reduction (a division by 1); on the CPU the two runs are bit-identical. 1e-6 relative
+    # leaves room for a kernel picked for another alignment; a stale or missing gradient or a buffer read before its
+    # stream hand-over moves the losses by far more. AdamW with no implementation chosen steps fused in the sharded
+    # run (torch would pick foreach: the same formula, rounded apart by an ulp at times, which bf16 then amplifies:
+    # measured on an H100, 2.5e-7 on a parameter after 24 steps in fp32, 0.1% on a bf16 loss), so it is compared
+    # with plain Lightning running the fused kernel too; a user's choice of foreach is kept and matches plain's.
+    assert results["shard"]["fused"] and not results["shard_foreach"]["fused"]
+    assert_same_training(results["shard"], results["plain_fused"], rtol=1e-6, atol=1e-7, name="32-true")
+    assert_same_training(results["shard_foreach"], results["plain"], rtol=1e-6, atol=1e-7, name="32-true foreach")
     # torch's Muon orthogonalises in bf16: a 1-ulp difference can round the other way and grow (the README's
     # Optimizers section); at world 1 the inputs are the plain run's, so it stays within the same bound
     assert_same_training(results["shard_muon"], results["plain_muon"], rtol=1e-6, atol=1e-7, name="32-true Muon")
@@ -132,7 +146,7 @@ def test_world_size_one_32_true_matches_plain_lightning(tmp_path):
 def test_world_size_one_bf16_mixed_matches_plain_lightning(tmp_path):
     results = run_fit_all(tmp_path, "bf16-mixed")
     assert_ran_on_the_gpu(results)
-    plain = results["plain"]
+    plain = results["plain_fused"]  # AdamW's kernel as the sharded step picks it (see the 32-true test)
     # fp32 gathers under the Trainer's autocast: autocast casts the same fp32 weights to bf16 for the same ops as
     # in the plain run, so the arithmetic is the same; 1e-5 rather than 1e-6 because a 1-ulp fp32 difference
     # (a kernel picked for another alignment) that flips one bf16 rounding moves that element by 2^-9.
@@ -152,10 +166,11 @@ def test_world_size_one_bf16_mixed_matches_plain_lightning(tmp_path):
         assert expected.norm() > 0, key  # every parameter trains
         assert (update - expected).norm() / expected.norm() < 0.25, (key, (update - expected).norm() / expected.norm())
     # offload against the same bf16 gathers on the device: the CPU's AdamW rounds an fp32 update apart by an ulp at
-    # times, which can flip a bf16 rounding of the next gather; bounds not yet measured on a GPU (set from the 32-true
-    # agreement and the flip's size, 2^-9 of one element)
+    # times, which can flip a bf16 rounding of the next gather, and the flips grow over the steps: measured on an
+    # H100, the losses agree to 1e-3 relative for 23 steps and 1.4e-3 at the 24th; lost or stale updates move
+    # them by far more (the loss falls threefold over these steps)
     for offload in ("optimizer", "params"):
-        assert_same_training(results[f"shard_offload_{offload}"], run, rtol=1e-3, atol=1e-4,
+        assert_same_training(results[f"shard_offload_{offload}"], run, rtol=4e-3, atol=1e-4,
                              name=f"bf16-mixed, offload={offload}")
 
 

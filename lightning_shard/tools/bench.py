@@ -44,6 +44,7 @@ import argparse
 import gc
 import os
 import pickle
+import statistics
 import time
 from contextlib import nullcontext
 
@@ -220,9 +221,11 @@ def _rank_main(rank: int, world: int, args, port: int, out: str) -> None:
                     except Exception as err:  # an estimate must not stop the benchmark
                         estimates[precision, name] = float("nan")
                         errors.append(f"{name} {precision}: no estimate with activations ({type(err).__name__}: {err})")
-                if rank == 0:
+                if rank == 0:  # with its median: a run stopped before the table still says what it measured
+                    times = results[precision, optimizer][name][-1]["times"]
+                    median = f"{statistics.median(times):.4f} s" if times else "no step timed"
                     print(f"round {round_ + 1 + args.round_offset}/{args.rounds + args.round_offset}: {name} {precision}"
-                          f" {optimizer} done", flush=True)
+                          f" {optimizer} done (median step on rank 0: {median})", flush=True)
     if args.trace:
         _run("shard_full", args, world, args.precision[0], rank, trace=args.trace)
     with open(f"{out}.{rank}", "wb") as f:

@@ -70,7 +70,7 @@ def run_one(name: str, offload: Optional[str], device: str, steps: int, warmup: 
 
         def training_step(self, batch, batch_idx):
             loss = self.model(input_ids=batch, labels=batch).loss
-            self.losses.append(float(loss.detach()))
+            self.losses.append(loss.detach())  # read after the run: a read here would wait for each forward
             return loss
 
         def configure_optimizers(self):
@@ -99,7 +99,7 @@ def run_one(name: str, offload: Optional[str], device: str, steps: int, warmup: 
         step_s=statistics.median(times) if times else float("nan"), steps=len(times),
         device_peak_gib=torch.cuda.max_memory_allocated() / GiB if device == "cuda" else float("nan"),
         host_peak_gib=host.growth_mb() / 1024, master_on_host_gib=on_host / GiB,
-        losses=[module.losses[0], module.losses[-1]] if module.losses else [],
+        losses=[float(module.losses[0]), float(module.losses[-1])] if module.losses else [],
     )
     return result
 
@@ -157,7 +157,8 @@ def main(argv=None) -> None:
             else:
                 with open(out) as f:
                     results.append(json.load(f))
-            print(f"{offload} done in {time.perf_counter() - start:.0f} s", flush=True)
+            # the figures at once: a run stopped before the table still says what the finished ones measured
+            print(f"{offload} done in {time.perf_counter() - start:.0f} s: {json.dumps(results[-1])}", flush=True)
     print(table(args.model, results))
 
 
