@@ -173,6 +173,19 @@ def collective_trace(rank: int, world: int, prefetch: int):
     return runtime.trace
 
 
+def gathered_peak(rank: int, world: int, prefetch: int, param_dtype: torch.dtype) -> dict:
+    """The second step's peak of gathered bytes, and each unit's gathered bytes."""
+    torch.manual_seed(0)
+    model = models.TinyGPT()
+    runtime = shard_module(model, sharding="full", prefetch=prefetch, param_dtype=param_dtype)
+    g = torch.Generator().manual_seed(0)
+    for step in range(2):
+        runtime.schedule.peak_gathered_bytes = runtime.schedule.gathered_bytes
+        models.TinyGPT.loss(model, models.TinyGPT.batch(g, 4), step).backward()
+    return {"peak": runtime.schedule.peak_gathered_bytes,
+            "units": {u.name: u.storage.gathered_nbytes for u in runtime.units}}
+
+
 def bytes_per_step(rank: int, world: int, mode: str):
     torch.manual_seed(0)
     model = models.TinyGPT()

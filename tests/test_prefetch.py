@@ -2,7 +2,9 @@
 
 import pytest
 
-from tests.engine_scenarios import bytes_per_step, collective_trace, parity
+import torch
+
+from tests.engine_scenarios import bytes_per_step, collective_trace, gathered_peak, parity
 from tests.world import run_world
 
 pytestmark = pytest.mark.timeout(300)
@@ -29,6 +31,16 @@ def test_collective_order_with_prefetch_one_unit_ahead():
         (AG, "blocks.1"),  # backward of blocks.2 begins: blocks.1 is gathered ahead, before blocks.2 reduces
         (RS, "blocks.2"), (AG, "blocks.0"), (RS, "blocks.1"), (RS, "blocks.0"), (RS, "<root>"),
     ]
+
+
+def test_one_rank_casts_each_unit_as_it_runs_not_ahead():
+    """One rank computing in bf16: a unit's gathered copy is a cast, made on the compute stream when the unit runs.
+    Made ahead (prefetch) it would overlap nothing and hold two blocks' copies at once: one block and the root here."""
+    r = run_world(gathered_peak, 1, 1, torch.bfloat16)[0]
+    units = r["units"]
+    assert r["peak"] == units["<root>"] + max(v for k, v in units.items() if k != "<root>"), r
+    two = run_world(gathered_peak, 2, 1, torch.bfloat16)[0]  # two ranks: the next block's all-gather in flight
+    assert two["peak"] > two["units"]["<root>"] + max(v for k, v in two["units"].items() if k != "<root>"), two
 
 
 def test_changed_execution_order_warns_once_and_stays_exact():

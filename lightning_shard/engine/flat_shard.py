@@ -67,6 +67,9 @@ class FlatShard:
 
         # With one shard and no cast the gathered buffer *is* the shard: nothing to gather or free.
         self.aliases_shard = world_size == 1 and self.param_dtype == self.master_dtype and not self.offloaded
+        # One shard on the device, computing in another dtype: the gathered copy is a cast, made on the compute stream
+        # where it is read (a side stream has nothing to overlap it with, and costs two hand-overs per gather)
+        self.casts_on_compute = world_size == 1 and not self.aliases_shard and not self.offloaded
         if self.aliases_shard:
             self.gathered = self.shard
         else:

@@ -47,7 +47,7 @@ class GatherSchedule:
 
     # -- one unit -----------------------------------------------------------------------------------
     def launch(self, unit: Unit) -> None:
-        """Start the unit's all-gather on the gather stream without waiting for it."""
+        """Start the unit's all-gather on the gather stream without waiting for it (one rank: cast it on compute)."""
         if unit.is_gathered or unit.inflight is not None or unit.storage.aliases_shard:
             return
         storage, streams = unit.storage, self.streams
@@ -57,11 +57,16 @@ class GatherSchedule:
             self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
         buffer = storage.allocate()  # on compute: its memory is reused in compute order
         streams.writes(("gathered", unit.name))
+        if storage.casts_on_compute:  # done as issued: nothing in flight
+            streams.reads(("shard", unit.name))
+            storage.fill_gathered(storage.gathered_data)
+            streams.writes(("gathered", unit.name))
+            return
         # the gather stream must not overwrite what compute still reads, nor send a shard the optimizer is writing
         streams.handover("compute", "gather")
         with streams.on("gather"):
             streams.reads(("shard", unit.name))
-            if storage.world_size == 1:  # replicated, computing in a lower dtype: the gathered copy is a cast
+            if storage.world_size == 1:  # offloaded: a copy in from the host (and a cast)
                 storage.fill_gathered(storage.gathered_data)
                 streams.writes(("gathered", unit.name))
                 unit.inflight = Pending(None, buffer, self.stats)
@@ -149,7 +154,8 @@ class GatherSchedule:
             except ValueError:
                 return cursor
         for upcoming in order[position + 1 : position + 1 + self.prefetch]:
-            if needs_gather is None or needs_gather(upcoming):
+            # a cast on compute is made when the unit is gathered: made ahead, it would be made again
+            if not upcoming.storage.casts_on_compute and (needs_gather is None or needs_gather(upcoming)):
                 self.launch(upcoming)
         return position + 1
 
