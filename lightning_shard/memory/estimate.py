@@ -14,8 +14,8 @@ default; the probes tell which); a whole-parameter optimizer (Muon, Adafactor) a
 buffers and the full copies of the parameters a rank owns in one group. Activations (and backward temporaries) from one forward and backward of the model on fake
 tensors of the target device (``FakeTensorMode``: real kernels are chosen, e.g. CPU flash attention, nothing
 is allocated), with the chosen activation checkpointing applied. Gathered units and
-gradients in flight follow the engine's bounds: ``1 + prefetch`` units gathered under ``full`` sharding, all
-of them from forward to backward under ``grad_op``.
+gradients in flight follow the engine's bounds: ``1 + prefetch`` units gathered under ``full`` sharding (one
+at one rank, where each is cast as it runs), all of them from forward to backward under ``grad_op``.
 
 Gradient shards held beside the activations: Lightning's automatic optimization calls ``zero_grad`` between a
 step's forward and its backward, so the last step's gradient shards are alive through the forward
@@ -215,14 +215,16 @@ def combine(sizes: list[UnitSize], master: torch.dtype, param_dtype: torch.dtype
     """The formula of the module note, from unit sizes (planned, or read off a sharded model)."""
     b_master, b_param = _size(master), _size(param_dtype)
     # gathered buffer = shard
-    aliases = all(u.padded == u.shard for u in sizes) and param_dtype == master and offload is None
+    one_shard = all(u.padded == u.shard for u in sizes)
+    aliases = one_shard and param_dtype == master and offload is None
     shard_total = sum(u.shard for u in sizes)
     root = sum(u.padded for u in sizes if u.is_root)
     others = sorted((u.padded for u in sizes if not u.is_root), reverse=True)
     if aliases:
         gathered = 0
     elif sharding in ("full", "hybrid"):
-        gathered = sum(others[: 1 + prefetch]) * b_param
+        ahead = 0 if one_shard and offload is None else prefetch  # one shard: each unit cast as it runs (gather.py)
+        gathered = sum(others[: 1 + ahead]) * b_param
     else:  # grad_op keeps every unit gathered from its forward to its backward; none keeps them always
         gathered = sum(others) * b_param
     # the root's gradients build up through all of backward; a unit's until its reduction (``engine/reduce.py``),
