@@ -99,3 +99,18 @@ def test_estimate_for_gpus_on_a_machine_without_cuda_says_what_stood_in(tmp_path
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "lightning_shard memory estimate per rank (8 ranks" in proc.stdout
     assert "activations measured with the CPU's kernels" in proc.stdout
+
+
+def test_the_gpu_sessions_tools_run_on_the_cpu(tmp_path):
+    """What `.ci/gpu` and a GPU session run, end to end on a tiny model here: a tool broken on the CPU would waste a
+    GPU lease."""
+    proc = run(tmp_path, "lightning_shard.tools.profile_host", "--config", "shard_full", "--warmup", "1",
+               "--profiled", "1", "--depth", "2", "--width", "64", "--heads", "2", "--seq", "16", "--vocab", "100")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "1 steps profiled: wall" in proc.stdout and "kernel launches per step" in proc.stdout, proc.stdout[-2000:]
+    proc = run(tmp_path, "lightning_shard.tools.bench_offload", "--model", "llama-tiny", "--offload", "params",
+               "--steps", "1", "--warmup", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert '"phases_s": {"optimizer": ' in proc.stdout  # each configuration's figures printed as it finishes
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("params ") and " done in " not in line)
+    assert "error" not in row and len(row.split()) == 12, row  # 9 figures, then the two losses

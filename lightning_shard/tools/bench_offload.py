@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 
 from lightning_shard.app.cli import ArgumentParser, at_least
-from lightning_shard.tools.bench_probes import HostPeak, StepTimer
+from lightning_shard.tools.bench_probes import HostPeak, PhaseTimer, StepTimer
 
 # (layers, hidden, intermediate, heads, KV heads, vocab, sequence, batch)
 MODELS = {
@@ -38,6 +38,7 @@ MODELS = {
 }
 OFFLOAD = ("none", "optimizer", "params")
 GiB = 2**30
+nan = float("nan")
 
 
 def llama(name: str):
@@ -81,17 +82,26 @@ def run_one(name: str, offload: Optional[str], device: str, steps: int, warmup: 
     host = HostPeak()
     host.start()
     timer = StepTimer(cuda=device == "cuda")
+    from lightning_shard.engine.offload import HostShard
+    from lightning_shard.engine.optimizer_step import ShardedStep
+
+    # where an offloaded step's host time goes: the CPU's optimizer step, the bf16 staging casts (with any wait for
+    # the previous copy from them), the wait for the gradients' copies to the host
+    phases = PhaseTimer({"optimizer": (ShardedStep, "_step"), "staging": (HostShard, "_staged"),
+                         "grad_wait": (HostShard, "await_host_grads")})
     torch.manual_seed(0)
     module = LitLlama()
     trainer = L.Trainer(accelerator=device, devices=1, strategy=ShardStrategy(offload=offload),
                         precision="bf16-mixed", max_steps=steps + warmup, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[timer])
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[timer, phases])
     result: dict = {"offload": offload or "none"}
     try:
         trainer.fit(module, torch.utils.data.DataLoader(tokens, batch_size=batch))
     except torch.cuda.OutOfMemoryError as err:
         result["error"] = f"CUDA out of memory: {str(err).splitlines()[0][:160]}"
     times = timer.times[warmup:]
+    result["phases_s"] = {name: statistics.median(step[name] for step in phases.steps[warmup:]) if times else
+                          float("nan") for name in phases.current}
     runtime = getattr(trainer.strategy, "runtime", None)
     on_host = sum(u.storage.shard.numel() * u.storage.shard.element_size() for u in runtime.units
                  if u.storage.offloaded) if runtime is not None else 0
@@ -108,12 +118,15 @@ def table(name: str, results: list[dict]) -> str:
     base = next((r["step_s"] for r in results if r["offload"] == "none" and "error" not in r), float("nan"))
     peak = next((r["device_peak_gib"] for r in results if r["offload"] == "none" and "error" not in r), float("nan"))
     rows = [f"{'offload':<11}{'step s':>9}{'x none':>8}{'device peak GiB':>17}{'x none':>8}{'host peak GiB':>15}"
-            f"{'master on host GiB':>20}  losses (first, last) / error"]
+            f"{'master on host GiB':>20}{'optimizer s':>13}{'staging s':>11}{'grad wait s':>13}"
+            "  losses (first, last) / error"]
     for r in results:
         losses = r.get("error") or ", ".join(f"{v:.3f}" for v in r["losses"])
+        phases = r.get("phases_s") or {}
         rows.append(f"{r['offload']:<11}{r['step_s']:>9.3f}{r['step_s'] / base:>8.2f}{r['device_peak_gib']:>17.2f}"
                     f"{r['device_peak_gib'] / peak:>8.2f}{r['host_peak_gib']:>15.2f}{r['master_on_host_gib']:>20.2f}"
-                    f"  {losses}")
+                    f"{phases.get('optimizer', nan):>13.3f}{phases.get('staging', nan):>11.3f}"
+                    f"{phases.get('grad_wait', nan):>13.3f}  {losses}")
     layers, hidden, inner, heads, kv, vocab, seq, batch = MODELS[name]
     rows.append(f"\n{name}: LlamaForCausalLM, {layers} layers, hidden {hidden}, intermediate {inner}, {heads} heads /"
                 f" {kv} KV, vocab {vocab} (untied), sequence {seq}, batch {batch}; bf16-mixed, AdamW, world 1; one"

@@ -1,5 +1,5 @@
-"""The benchmark's probes: step timing between device synchronisations, a profiler trace of chosen steps, and the
-host memory's peak over a run (``lightning_shard.tools.bench``)."""
+"""The benchmark's probes: step timing between device synchronisations, the host time of chosen methods per step,
+a profiler trace of chosen steps, and the host memory's peak over a run (``lightning_shard.tools.bench``)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,32 @@ class StepTimer(L.Callback):
         sync(self.cuda)
         self.times.append(time.perf_counter() - self._start)
         self.exposed.append(getattr(trainer.strategy, "comm_stats", {}).get("exposed_seconds", float("nan")))
+
+
+class PhaseTimer(L.Callback):
+    """Host seconds spent per step in chosen methods: ``phases`` maps a name to ``(class, method name)``, each method
+    wrapped on its class for the rest of the process (a benchmark's own). Blocking calls (a CPU optimizer step, a wait
+    for a device copy) take their real time; kernel launches only their issue."""
+
+    def __init__(self, phases: dict[str, tuple[type, str]]) -> None:
+        self.current = dict.fromkeys(phases, 0.0)
+        self.steps: list[dict[str, float]] = []
+        for name, (owner, attr) in phases.items():
+            setattr(owner, attr, self._timed(name, getattr(owner, attr)))
+
+    def _timed(self, name: str, method):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.current[name] += time.perf_counter() - start
+
+        return timed
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.steps.append(self.current)
+        self.current = dict.fromkeys(self.current, 0.0)
 
 
 class TraceSteps(L.Callback):
