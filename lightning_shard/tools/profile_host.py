@@ -8,7 +8,9 @@ steps after warm-up.
 Prints the step's wall time, the GPU's busy time in it (the sum of its kernels and copies: at world 1 nothing
 overlaps, so wall minus busy is the time the GPU waited for the host), and the operators that took the most host
 time of their own (torch.profiler). ``--python``: Python's own profiler instead (cProfile, which slows Python
-code several times over, so only its ranking means something): the functions with the most time of their own.
+code several times over, so only its ranking means something): the functions with the most time of their own. On a
+GPU, backward (and so the engine's backward hooks) runs on autograd's own thread, which cProfile does not see:
+there, ``tools/bench_overhead --device cuda --hooks`` times each hook.
 Run each configuration in its own process, as above: a run after another in one process is slower on a GPU.
 """
 
