@@ -136,7 +136,7 @@ def test_world_size_one_32_true_matches_plain_lightning(tmp_path):
     # torch's Muon orthogonalises in bf16: a 1-ulp difference can round the other way and grow (the README's
     # Optimizers section); at world 1 the inputs are the plain run's, so it stays within the same bound
     assert_same_training(results["shard_muon"], results["plain_muon"], rtol=1e-6, atol=1e-7, name="32-true Muon")
-    # offload: AdamW steps on the CPU (torch's for-loop kernel) instead of the GPU's foreach kernel; the same
+    # offload: AdamW steps on the CPU (torch's fused CPU kernel) instead of the GPU's fused kernel; the same
     # formula in fp32, rounded apart by an ulp here and there (the README's Offload section)
     for offload in ("optimizer", "params"):
         assert_same_training(results[f"shard_offload_{offload}"], results["shard"], rtol=1e-5, atol=1e-6,

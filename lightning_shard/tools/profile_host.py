@@ -5,8 +5,9 @@ steps after warm-up.
     python -m lightning_shard.tools.profile_host --device cuda --config shard_full --precision bf16-mixed --python
     python -m lightning_shard.tools.profile_host --device cuda --model hf-llama --seq 256 --config shard_full
 
-Prints the step's wall time, the GPU's busy time in it (the sum of its kernels and copies: at world 1 nothing
-overlaps, so wall minus busy is the time the GPU waited for the host), and the operators that took the most host
+Prints the step's wall time, the GPU's busy time in it (the sum of its kernels and copies: where they do not overlap,
+plain and lightning_shard at world 1, wall minus busy is the time the GPU waited for the host; FSDP2's copies run on
+side streams, so its "waited" reads low), and the operators that took the most host
 time of their own (torch.profiler). ``--python``: Python's own profiler instead (cProfile, which slows Python
 code several times over, so only its ranking means something): the functions with the most time of their own. On a
 GPU, backward (and so the engine's backward hooks) runs on autograd's own thread, which cProfile does not see:
