@@ -83,7 +83,8 @@ class LitGPT(L.LightningModule):
         others = [p for p in self.parameters() if p.dim() < 2]
         groups = [{"params": matrices, "weight_decay": 0.1}, {"params": others, "weight_decay": 0.0}]
         if self.optimizer == "muon":  # Muon for the matrices, AdamW for the rest: two optimizers (manual)
-            opts = [torch.optim.Muon(matrices, lr=0.02, weight_decay=0.01), torch.optim.AdamW(others, lr=1e-2, **self.adamw_options)]
+            opts = [torch.optim.Muon(matrices, lr=0.02, weight_decay=0.01),
+                    torch.optim.AdamW(others, lr=1e-2, **self.adamw_options)]
         elif self.optimizer == "adafactor":
             opts = [torch.optim.Adafactor(groups, lr=1e-2)]
         else:

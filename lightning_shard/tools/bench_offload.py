@@ -58,6 +58,8 @@ def run_one(name: str, offload: Optional[str], device: str, steps: int, warmup: 
     import lightning as L
 
     from lightning_shard import ShardStrategy
+    from lightning_shard.engine.offload import HostShard
+    from lightning_shard.engine.optimizer_step import ShardedStep
 
     class LitLlama(L.LightningModule):
         def __init__(self) -> None:
@@ -82,9 +84,6 @@ def run_one(name: str, offload: Optional[str], device: str, steps: int, warmup: 
     host = HostPeak()
     host.start()
     timer = StepTimer(cuda=device == "cuda")
-    from lightning_shard.engine.offload import HostShard
-    from lightning_shard.engine.optimizer_step import ShardedStep
-
     # where an offloaded step's host time goes: the CPU's optimizer step, the bf16 staging casts (with any wait for
     # the previous copy from them), the wait for the gradients' copies to the host
     phases = PhaseTimer({"optimizer": (ShardedStep, "_step"), "staging": (HostShard, "_staged"),
@@ -100,8 +99,8 @@ def run_one(name: str, offload: Optional[str], device: str, steps: int, warmup: 
     except torch.cuda.OutOfMemoryError as err:
         result["error"] = f"CUDA out of memory: {str(err).splitlines()[0][:160]}"
     times = timer.times[warmup:]
-    result["phases_s"] = {name: statistics.median(step[name] for step in phases.steps[warmup:]) if times else
-                          float("nan") for name in phases.current}
+    result["phases_s"] = {name: statistics.median(step[name] for step in phases.steps[warmup:]) if times else nan
+                          for name in phases.current}
     runtime = getattr(trainer.strategy, "runtime", None)
     on_host = sum(u.storage.shard.numel() * u.storage.shard.element_size() for u in runtime.units
                  if u.storage.offloaded) if runtime is not None else 0

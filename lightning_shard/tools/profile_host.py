@@ -7,12 +7,14 @@ steps after warm-up.
 
 Prints the step's wall time, the GPU's busy time in it (the sum of its kernels and copies: where they do not overlap,
 plain and lightning_shard at world 1, wall minus busy is the time the GPU waited for the host; FSDP2's copies run on
-side streams, so its "waited" reads low), and the operators that took the most host
-time of their own (torch.profiler). ``--python``: Python's own profiler instead (cProfile, which slows Python
-code several times over, so only its ranking means something): the functions with the most time of their own. On a
-GPU, backward (and so the engine's backward hooks) runs on autograd's own thread, which cProfile does not see:
-there, ``tools/bench_overhead --device cuda --hooks`` times each hook.
-Run each configuration in its own process, as above: a run after another in one process is slower on a GPU.
+side streams, so its "waited" reads low), and the operators that took the most host time of their own
+(torch.profiler). Run each configuration in its own process, as above: a run after another in one process is slower
+on a GPU.
+
+``--python``: Python's own profiler instead (cProfile, which slows Python code several times over, so only its
+ranking means something): the functions with the most time of their own. On a GPU, backward (and so the engine's
+backward hooks) runs on autograd's own thread, which cProfile does not see: there, ``tools/bench_overhead --device
+cuda --hooks`` times each hook.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from lightning_shard.tools.bench_models import DEFAULTS, MODELS, BenchLM, build_
 from lightning_shard.tools.bench_probes import sync
 
 ROWS = 25
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC")
 
 
 class ProfileSteps(L.Callback):
@@ -82,7 +85,7 @@ class ProfileSteps(L.Callback):
             busy = sum(e.self_device_time_total for e in averages
                        if e.device_type == DeviceType.CUDA and not e.is_user_annotation) / 1e3 / self.count
             lines.append(f"GPU busy {busy:.2f} ms per step: the GPU waited {self.wall * per_step - busy:.2f} ms")
-        launches = sum(e.count for e in averages if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
+        launches = sum(e.count for e in averages if e.key in LAUNCHES)
         lines.append(f"kernel launches per step: {launches / self.count:.0f}")
         lines.append(averages.table(sort_by="self_cpu_time_total", row_limit=ROWS, max_name_column_width=60))
         return "\n".join(lines)
@@ -110,14 +113,8 @@ def main(argv=None) -> None:
     torch.manual_seed(0)
     module = BenchLM(build_model(args), fsdp2=args.config == "fsdp2")
     probe = ProfileSteps(args.warmup, args.profiled, cuda, args.python)
-    strategy = _strategy(args.config, 1)
-    if args.config == "fsdp2":  # ModelParallelStrategy wants a process group even at one rank
-        import os
-
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29533")
-    trainer = L.Trainer(accelerator=args.device, devices=1, strategy=strategy, precision=args.precision,
-                        max_steps=args.warmup + args.profiled, logger=False, enable_checkpointing=False,
+    trainer = L.Trainer(accelerator=args.device, devices=1, strategy=_strategy(args.config, 1),
+                        precision=args.precision, max_steps=args.warmup + args.profiled, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[probe])
     trainer.fit(module, _data(args, 1))
     print(f"== {args.model} {args.config} {args.precision} on {args.device}"
