@@ -114,8 +114,9 @@ def main(argv=None) -> None:
     module = BenchLM(build_model(args), fsdp2=args.config == "fsdp2")
     probe = ProfileSteps(args.warmup, args.profiled, cuda, args.python)
     trainer = L.Trainer(accelerator=args.device, devices=1, strategy=_strategy(args.config, 1),
-                        precision=args.precision, max_steps=args.warmup + args.profiled, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[probe])
+                        precision=args.precision, max_steps=args.warmup + args.profiled, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[probe])
     trainer.fit(module, _data(args, 1))
     print(f"== {args.model} {args.config} {args.precision} on {args.device}"
           f" (depth {args.depth}, width {args.width}, seq {args.seq}, batch {args.batch})")
