@@ -56,7 +56,7 @@ from lightning_shard.app.callbacks import model_state_bytes
 from lightning_shard.app.cli import ArgumentParser, at_least
 from lightning_shard.tools import spawn_ranks
 from lightning_shard.tools.bench_models import DEFAULTS, MODELS, BenchLM, build_model, compile_blocks
-from lightning_shard.tools.bench_probes import HostPeak, StepTimer, TraceSteps, sync
+from lightning_shard.tools.bench_probes import HostPeak, ProfileSteps, StepTimer, sync
 from lightning_shard.tools.bench_table import COMPILED, format_table, merge_ranks
 
 EAGER_CONFIGS = ("alone", "plain", "ddp", "fsdp2", "shard_full", "shard_grad_op", "shard_hybrid", "shard_none",
@@ -157,7 +157,7 @@ def _run(name: str, args, world: int, precision: str, rank: int = 0, trace: str 
         if trace is not None:
             steps = args.warmup + min(TRACE_STEPS, args.steps)
             if rank == 0:
-                callbacks.append(TraceSteps(trace, args.warmup, steps - args.warmup, cuda))
+                callbacks.append(ProfileSteps(args.warmup, steps - args.warmup, cuda, trace=trace))
         trainer = L.Trainer(
             accelerator=args.device, devices=1 if name == "plain" else world, strategy=_strategy(name, world, compiled, args.shard_size),
             precision=precision, max_steps=steps, logger=False, enable_checkpointing=False,

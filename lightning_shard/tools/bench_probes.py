@@ -3,7 +3,9 @@ a profiler trace of chosen steps, and the host memory's peak over a run (``light
 
 from __future__ import annotations
 
+import cProfile
 import time
+from typing import Any, Optional
 
 import lightning as L
 import torch
@@ -56,35 +58,47 @@ class PhaseTimer(L.Callback):
         self.current = dict.fromkeys(self.current, 0.0)
 
 
-class TraceSteps(L.Callback):
-    """Profiles ``count`` steps from batch ``first`` on and writes them as a Chrome trace to ``path``."""
+class ProfileSteps(L.Callback):
+    """Profiles ``count`` steps from batch ``first`` on: torch.profiler (written as a Chrome trace to ``trace`` if
+    given), or cProfile with ``python``; ``wall`` is their time between device synchronisations."""
 
-    def __init__(self, path: str, first: int, count: int, cuda: bool) -> None:
-        self.path, self.first, self.count, self.cuda = path, first, count, cuda
-        self.profiler = None
-        self.step = None
+    def __init__(self, first: int, count: int, cuda: bool, trace: Optional[str] = None, python: bool = False) -> None:
+        self.first, self.count, self.cuda, self.trace, self.python = first, count, cuda, trace, python
+        self.profiler: Any = None
+        self.wall = 0.0
+        self._step: Any = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if batch_idx == self.first:
-            from torch.profiler import ProfilerActivity, profile
-
             sync(self.cuda)
-            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
-            self.profiler = profile(activities=activities)
-            self.profiler.start()
-        if self.profiler is not None:
-            self.step = torch.profiler.record_function(f"train step {batch_idx}")
-            self.step.__enter__()
+            if self.python:
+                self.profiler = cProfile.Profile()
+                self.profiler.enable()
+            else:
+                from torch.profiler import ProfilerActivity, profile
+
+                activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+                self.profiler = profile(activities=activities)
+                self.profiler.start()
+            self._start = time.perf_counter()
+        if self.profiler is not None and not self.python and self.first <= batch_idx < self.first + self.count:
+            self._step = torch.profiler.record_function(f"train step {batch_idx}")
+            self._step.__enter__()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if self.profiler is None:
+        if self._step is not None:
+            self._step.__exit__(None, None, None)
+            self._step = None
+        if self.profiler is None or batch_idx != self.first + self.count - 1:
             return
-        self.step.__exit__(None, None, None)
-        if batch_idx == self.first + self.count - 1:
-            sync(self.cuda)
+        sync(self.cuda)
+        self.wall = time.perf_counter() - self._start
+        if self.python:
+            self.profiler.disable()
+        else:
             self.profiler.stop()
-            self.profiler.export_chrome_trace(self.path)
-            self.profiler = None
+            if self.trace is not None:
+                self.profiler.export_chrome_trace(self.trace)
 
 
 class HostPeak:

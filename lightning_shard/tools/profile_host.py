@@ -20,10 +20,8 @@ cuda --hooks`` times each hook.
 from __future__ import annotations
 
 import argparse
-import cProfile
 import io
 import pstats
-import time
 
 import lightning as L
 import torch
@@ -31,64 +29,31 @@ import torch
 from lightning_shard.app.cli import ArgumentParser, at_least
 from lightning_shard.tools.bench import _data, _strategy
 from lightning_shard.tools.bench_models import DEFAULTS, MODELS, BenchLM, build_model
-from lightning_shard.tools.bench_probes import sync
+from lightning_shard.tools.bench_probes import ProfileSteps
 
 ROWS = 25
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC")
 
 
-class ProfileSteps(L.Callback):
-    """Profiles steps ``first`` to ``first + count - 1`` (torch.profiler, or cProfile with ``python``)."""
+def report(probe: ProfileSteps) -> str:
+    per_step = 1e3 / probe.count
+    lines = [f"{probe.count} steps profiled: wall {probe.wall * per_step:.2f} ms per step (under the profiler)"]
+    if probe.python:
+        text = io.StringIO()
+        pstats.Stats(probe.profiler, stream=text).sort_stats("tottime").print_stats(ROWS)
+        return "\n".join(lines) + "\n" + text.getvalue()
+    averages = probe.profiler.key_averages()
+    if probe.cuda:
+        from torch.autograd import DeviceType
 
-    def __init__(self, first: int, count: int, cuda: bool, python: bool) -> None:
-        self.first, self.count, self.cuda, self.python = first, count, cuda, python
-        self.profiler = None
-        self.wall = 0.0
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if batch_idx != self.first:
-            return
-        sync(self.cuda)
-        if self.python:
-            self.profiler = cProfile.Profile()
-            self.profiler.enable()
-        else:
-            from torch.profiler import ProfilerActivity, profile
-
-            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
-            self.profiler = profile(activities=activities)
-            self.profiler.start()
-        self._start = time.perf_counter()
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if batch_idx != self.first + self.count - 1:
-            return
-        sync(self.cuda)
-        self.wall = time.perf_counter() - self._start
-        if self.python:
-            self.profiler.disable()
-        else:
-            self.profiler.stop()
-
-    def report(self) -> str:
-        per_step = 1e3 / self.count
-        lines = [f"{self.count} steps profiled: wall {self.wall * per_step:.2f} ms per step (under the profiler)"]
-        if self.python:
-            text = io.StringIO()
-            pstats.Stats(self.profiler, stream=text).sort_stats("tottime").print_stats(ROWS)
-            return "\n".join(lines) + "\n" + text.getvalue()
-        averages = self.profiler.key_averages()
-        if self.cuda:
-            from torch.autograd import DeviceType
-
-            # as torch's own table sums it: kernels and copies, not the annotations that span them
-            busy = sum(e.self_device_time_total for e in averages
-                       if e.device_type == DeviceType.CUDA and not e.is_user_annotation) / 1e3 / self.count
-            lines.append(f"GPU busy {busy:.2f} ms per step: the GPU waited {self.wall * per_step - busy:.2f} ms")
-        launches = sum(e.count for e in averages if e.key in LAUNCHES)
-        lines.append(f"kernel launches per step: {launches / self.count:.0f}")
-        lines.append(averages.table(sort_by="self_cpu_time_total", row_limit=ROWS, max_name_column_width=60))
-        return "\n".join(lines)
+        # as torch's own table sums it: kernels and copies, not the annotations that span them
+        busy = sum(e.self_device_time_total for e in averages
+                   if e.device_type == DeviceType.CUDA and not e.is_user_annotation) / 1e3 / probe.count
+        lines.append(f"GPU busy {busy:.2f} ms per step: the GPU waited {probe.wall * per_step - busy:.2f} ms")
+    launches = sum(e.count for e in averages if e.key in LAUNCHES)
+    lines.append(f"kernel launches per step: {launches / probe.count:.0f}")
+    lines.append(averages.table(sort_by="self_cpu_time_total", row_limit=ROWS, max_name_column_width=60))
+    return "\n".join(lines)
 
 
 def main(argv=None) -> None:
@@ -112,7 +77,7 @@ def main(argv=None) -> None:
         torch.cuda.set_device(0)
     torch.manual_seed(0)
     module = BenchLM(build_model(args), fsdp2=args.config == "fsdp2")
-    probe = ProfileSteps(args.warmup, args.profiled, cuda, args.python)
+    probe = ProfileSteps(args.warmup, args.profiled, cuda, python=args.python)
     trainer = L.Trainer(accelerator=args.device, devices=1, strategy=_strategy(args.config, 1),
                         precision=args.precision, max_steps=args.warmup + args.profiled, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -120,7 +85,7 @@ def main(argv=None) -> None:
     trainer.fit(module, _data(args, 1))
     print(f"== {args.model} {args.config} {args.precision} on {args.device}"
           f" (depth {args.depth}, width {args.width}, seq {args.seq}, batch {args.batch})")
-    print(probe.report(), flush=True)
+    print(report(probe), flush=True)
 
 
 if __name__ == "__main__":
