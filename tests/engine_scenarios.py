@@ -32,6 +32,7 @@ SCENARIOS = {
     "gpt_checkpointed": (models.TinyGPT, {"activation_checkpointing": True}),
     "gpt_checkpointed_inner": (models.TinyGPT, {"units": ["Block"],
                                                 "activation_checkpointing": ["MultiheadAttention", "Sequential"]}),
+    "cross_inplace": (models.CrossInPlace, {"units": ["CrossBlock", "ScaleInPlace"]}),
     "untied_checkpointed": (models.UntiedLM, {"units": ["Embedding", "Block"], "activation_checkpointing": True}),
 }
 

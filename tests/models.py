@@ -270,3 +270,50 @@ class RawInputStack(nn.Module):
     @staticmethod
     def batch(generator: torch.Generator, n: int) -> torch.Tensor:
         return torch.randn(n, 6, generator=generator)
+
+
+class CrossBlock(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.own = nn.Linear(d, d)
+        self.cross = nn.Linear(d, d)
+
+    def forward(self, h: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+        return h + torch.tanh(self.own(h) + self.cross(memory))
+
+
+class ScaleInPlace(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h.mul_(0.5)  # its input, written in place
+        return h + self.lin(h)
+
+
+class CrossInPlace(nn.Module):
+    """Blocks fed two tensors that need gradients (their state and an encoder's output, which every block reads),
+    then a block that scales its input in place."""
+
+    def __init__(self, d: int = 6) -> None:
+        super().__init__()
+        self.enc = nn.Linear(d, d)
+        self.blocks = nn.ModuleList(CrossBlock(d) for _ in range(2))
+        self.scale = ScaleInPlace(d)
+        self.out = nn.Linear(d, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        memory = torch.tanh(self.enc(x))
+        h = memory * 2
+        for block in self.blocks:
+            h = block(h, memory)
+        return self.out(self.scale(h))
+
+    @staticmethod
+    def loss(model: nn.Module, batch: torch.Tensor, step: int) -> torch.Tensor:
+        return model(batch).pow(2).mean()
+
+    @staticmethod
+    def batch(generator: torch.Generator, n: int) -> torch.Tensor:
+        return torch.randn(n, 6, generator=generator)

@@ -1,10 +1,16 @@
-"""How the runtime sees a unit's backward begin and end: a hook on the gradient of the unit's outputs (its
-backward begins: gather) and an identity node on its inputs, whose backward runs once the unit's has finished
-(reduce its gradients, free). Each costs a node with a Python callback per call of the unit, the larger part of the
-engine's host time per unit. A unit with nothing to free or reduce before the end of backward (one rank, the
-gathered buffer is the shard: :attr:`Unit.watches_backward_end` false) gets no identity node: its gradients are
-handed over, and it is freed, when the whole backward ends. It keeps the hook on its outputs, which gathers it
-again wherever something freed it before its backward (a nested backward's end, a forward under ``no_grad``)."""
+"""How the runtime sees a unit's backward begin and end: a hook on the node that made the unit's outputs (its
+backward begins: gather) and a node on its inputs, whose backward runs once the unit's has finished (reduce its
+gradients, free). A unit with nothing to free or reduce before the end of backward (one rank, the gathered buffer
+is the shard: :attr:`Unit.watches_backward_end` false) gets no node on its inputs: its gradients are handed over,
+and it is freed, when the whole backward ends. It keeps the hook on its outputs, which gathers it again wherever
+something freed it before its backward (a nested backward's end, a forward under ``no_grad``).
+
+Note: these are the engine's largest host cost per unit, so each is the cheapest autograd offers for the usual
+call (one input, one output): the input passes through ``view_as``, whose C++ node gets a post-hook, and the
+output's node gets a pre-hook. A Python ``autograd.Function`` costs twice that in forward and again in backward;
+a tensor hook, a handle object and a dictionary more than a node's hook. Several inputs share one
+``autograd.Function`` node, which runs once the backward of all of them is done.
+"""
 
 from __future__ import annotations
 
@@ -40,6 +46,10 @@ def watch_inputs(unit: Unit, flat: list, on_end: Callable[[Unit], None]) -> list
         unit.unseen_backward = True
         return flat
     unit.backward_pending += 1
+    if len(inputs) == 1:  # a block's usual call: a C++ view node and its hook
+        watched = inputs[0].view_as(inputs[0])
+        watched.grad_fn.register_hook(lambda _grad_inputs, _grad_outputs: on_end(unit))
+        return [watched if x is inputs[0] else x for x in flat]
     hooked = dict(zip(map(id, inputs), _PostBackward.apply(on_end, unit, *inputs)))
     return [hooked.get(id(x), x) for x in flat]
 
@@ -48,7 +58,9 @@ def watch_outputs(output: Any, on_begin: Callable[[Any], None]) -> None:
     """Call ``on_begin`` when the gradient of any of ``output``'s tensors that need one is computed."""
     flat = [output] if isinstance(output, Tensor) else tree_flatten(output)[0]
     tensors = [x for x in flat if isinstance(x, Tensor) and x.requires_grad]
-    if len(tensors) == 1:  # a block's usual output: a plain tensor hook costs less than a multi-grad hook
+    if len(tensors) == 1 and tensors[0].grad_fn is not None:  # a block's usual output: a hook on its node
+        tensors[0].grad_fn.register_prehook(on_begin)  # (runs when the tensor's gradient is complete, as its hook would)
+    elif len(tensors) == 1:
         tensors[0].register_hook(on_begin)
     elif tensors:
         torch.autograd.graph.register_multi_grad_hook(tensors, on_begin, mode="any")
