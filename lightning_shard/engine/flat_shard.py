@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor, nn
+from torch._utils import _flatten_dense_tensors
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,9 @@ class FlatShard:
 
         self._allocated = True  # the gathered buffer has its storage (a flag: asking the storage costs more)
         self.shard_ranges = [self.shard_range(s) for s in slots]  # read at every step's gradient hand-over
+        # the slots' parts of the local shard are consecutive from its start (padding last): split() sizes
+        self._grad_split = [hi - lo for lo, hi in self.shard_ranges]
+        self._grad_split.append(self.shard_numel - sum(self._grad_split))
         self._padding = self.padded_numel - sum(s.numel for s in slots)
         self.shard_params = [self._make_shard_param(s) for s in slots]
         self.gathered_params = [
@@ -207,9 +211,10 @@ class FlatShard:
         for i in used:
             self.gathered_params[i].grad = None
         if len(used) == len(grads) and all(grad.dtype == taken[0].dtype for grad in taken):  # the usual case
-            pieces = [grad.reshape(-1) for grad in taken]  # one copy, then (computing in bf16) one cast
-            if self._padding:
-                pieces.append(torch.zeros(self._padding, dtype=taken[0].dtype, device=self.device))
+            if not self._padding:  # one copy (flattened in C++), then (computing in bf16) one cast
+                return _flatten_dense_tensors(taken).to(dtype), used, taken
+            pieces = [grad.reshape(-1) for grad in taken]
+            pieces.append(torch.zeros(self._padding, dtype=taken[0].dtype, device=self.device))
             return torch.cat(pieces).to(dtype), used, taken
         pieces = [grad.reshape(-1).to(dtype) if grad is not None
                   else torch.zeros(slot.numel, dtype=dtype, device=self.device)
@@ -305,12 +310,18 @@ class FlatShard:
             shard_grad.add_(reduced)
             return
         new_views = {}
+        # one split() for the views, unless autograd records them (create_graph=True): split()'s views then refuse
+        # the in-place add below
+        split = None if reduced.requires_grad else reduced.split(self._grad_split)
         for i in self.trainable:
             param = self.shard_params[i]
             if i not in used and param.grad is None:
                 continue
-            lo, hi = self.shard_ranges[i]
-            view = reduced[lo:hi]  # a slice, not one of split()'s views: those refuse the in-place add under autograd
+            if split is not None:
+                view = split[i]
+            else:
+                lo, hi = self.shard_ranges[i]
+                view = reduced[lo:hi]
             if param.grad is not None:
                 view.add_(param.grad)
             param.grad = view
