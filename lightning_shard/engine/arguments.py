@@ -16,7 +16,7 @@ def needs_cast(unit: Unit) -> bool:
     """Floating-point inputs go in the unit's ``param_dtype`` when it computes in one lower than its masters and
     autocast is off (FSDP2's ``cast_forward_inputs``): ``F.linear(fp32 input, bf16 weight)`` would raise."""
     storage = unit.storage
-    return storage.param_dtype != storage.master_dtype and not torch.is_autocast_enabled(storage.device.type)
+    return storage.computes_lower and not torch.is_autocast_enabled(storage.device_type)
 
 
 def explain_mixed_dtype_on_cpu(err: RuntimeError, units: list[Unit]) -> None:
@@ -44,11 +44,17 @@ _LEAVES = (Tensor, int, float, bool, str, type(None))
 def flatten_arguments(args: tuple, kwargs: dict) -> tuple[list, Callable[[list], tuple[tuple, dict]]]:
     """A call's arguments as one flat list, and how to rebuild ``(args, kwargs)`` from it. Plain arguments (tensors,
     numbers, strings, None: a block's usual call) skip pytree, which costs more than the rest of a hook."""
+    if not kwargs and len(args) == 1 and isinstance(args[0], _LEAVES):  # a block's usual call
+        return list(args), _one_argument
     if all(isinstance(x, _LEAVES) for x in args) and all(isinstance(x, _LEAVES) for x in kwargs.values()):
         count, keys = len(args), tuple(kwargs)
         return [*args, *kwargs.values()], lambda flat: (tuple(flat[:count]), dict(zip(keys, flat[count:])))
     flat, spec = tree_flatten((args, kwargs))
     return flat, lambda values: tree_unflatten(values, spec)
+
+
+def _one_argument(flat: list) -> tuple[tuple, dict]:
+    return tuple(flat), {}
 
 
 def in_backward() -> bool:

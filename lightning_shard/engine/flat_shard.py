@@ -58,6 +58,8 @@ class FlatShard:
         self.master_dtype = flat.dtype
         self.param_dtype = param_dtype or flat.dtype
         self.device = flat.device  # where the unit computes and communicates (the shard may live elsewhere)
+        self.device_type = self.device.type
+        self.computes_lower = self.param_dtype != self.master_dtype  # (read at every forward: a flag)
 
         # this rank's master shard, in its own storage (the full buffer is not kept)
         shard = self._new_shard(self.shard_numel, flat.dtype)
