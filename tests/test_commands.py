@@ -62,6 +62,7 @@ BAD_INPUT = [  # (command, args, what its one line says); all fail before any ra
     ("lightning_shard.bench", ["--world", "4", "--configs", "shard_hybrid", "--shard-size", "3"],
      "--shard-size 3 does not divide --world 4"),
     ("lightning_shard.tools.bench_overhead", ["--blocks", "0"], "argument --blocks: must be an integer >= 1"),
+    ("lightning_shard.tools.bench_against", ["no_such_revision"], "cannot read revision 'no_such_revision' from git"),
     (TRAIN, ["strategy.offload=cpu"], "`offload` must be None (everything on the device), 'optimizer'"),
     ("lightning_shard.tools.bench_offload", ["--offload", "gpu"], "argument --offload: invalid choice: 'gpu'"),
     ("lightning_shard.app.sweep", ["no_such_dir"], "no job of 'no_such_dir' wrote a summary.json"),
@@ -114,3 +115,12 @@ def test_the_gpu_sessions_tools_run_on_the_cpu(tmp_path):
     assert '"phases_s": {"optimizer": ' in proc.stdout  # each configuration's figures printed as it finishes
     row = next(line for line in proc.stdout.splitlines() if line.startswith("params ") and " done in " not in line)
     assert "error" not in row and len(row.split()) == 12, row  # 9 figures, then the two losses
+
+
+def test_the_engine_compares_with_a_git_revision(tmp_path):
+    """bench_against runs the working tree's engine and a revision's in turns: here HEAD's, two blocks, two steps."""
+    proc = run(tmp_path, "lightning_shard.tools.bench_against", "HEAD", "--blocks", "2", "--steps", "2", "--warmup", "0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {line.split("  ")[0].strip(): line.split() for line in proc.stdout.splitlines()[1:4]}
+    assert set(rows) == {"REV", "REV again", "working tree"}, proc.stdout
+    assert len({row[-1] for row in rows.values()}) == 1, proc.stdout  # the same model and steps: the same last loss
