@@ -32,7 +32,7 @@ SCENARIOS = {
     "gpt_checkpointed": (models.TinyGPT, {"activation_checkpointing": True}),
     "gpt_checkpointed_inner": (models.TinyGPT, {"units": ["Block"],
                                                 "activation_checkpointing": ["MultiheadAttention", "Sequential"]}),
-    "cross_inplace": (models.CrossInPlace, {"units": ["CrossBlock", "ScaleInPlace"]}),
+    "cross_view_out": (models.CrossViewOut, {"units": ["CrossBlock", "ViewOut"]}),
     "untied_checkpointed": (models.UntiedLM, {"units": ["Embedding", "Block"], "activation_checkpointing": True}),
 }
 
@@ -231,3 +231,25 @@ def backward_gathers(rank: int, world: int, scenario: str, steps: int = 3):
         report[elide] = {"losses": losses, "state": full_state_dict(runtime, rank0_only=False),
                          "per_unit": gathers, "skipped_per_step": skipped}
     return report
+
+
+class _WritesItsInput(nn.Module):
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.rank = rank
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.rank == 0:  # on one rank only: data-dependent, say
+            h.mul_(0.5)
+        return self.lin(h * 1)
+
+
+def write_input_in_place(rank: int, world: int) -> None:
+    """A unit that writes its input in place on rank 0: that rank stops at once (the write would drop the node that
+    sees the unit's backward end, and rank 0 alone would reduce the unit late: mismatched collectives)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), _WritesItsInput(rank), nn.Linear(4, 1))
+    shard_module(model, units=["_WritesItsInput"])
+    for _ in range(2):
+        model(torch.randn(3, 4)).sum().backward()

@@ -6,8 +6,8 @@ and it is freed, when the whole backward ends. It keeps the hook on its outputs,
 something freed it before its backward (a nested backward's end, a forward under ``no_grad``).
 
 Note: these are the engine's largest host cost per unit, so each is the cheapest autograd offers for the usual
-call (one input, one output): the input passes through ``view_as``, whose C++ node gets a post-hook, and the
-output's node gets a pre-hook. A Python ``autograd.Function`` costs twice that in forward and again in backward;
+call (one input, one output): the input passes through a ``split()`` into one view, whose C++ node gets a
+post-hook, and the output's node gets a pre-hook. A Python ``autograd.Function`` costs twice that in forward and again in backward;
 a tensor hook, a handle object and a dictionary more than a node's hook. Several inputs share one
 ``autograd.Function`` node, which runs once the backward of all of them is done.
 """
@@ -46,8 +46,11 @@ def watch_inputs(unit: Unit, flat: list, on_end: Callable[[Unit], None]) -> list
         unit.unseen_backward = True
         return flat
     unit.backward_pending += 1
-    if len(inputs) == 1:  # a block's usual call: a C++ view node and its hook
-        watched = inputs[0].view_as(inputs[0])
+    if len(inputs) == 1 and inputs[0].dim() and inputs[0].layout == torch.strided:  # a block's usual call
+        # a C++ view node and its hook. One split()'s view, not view_as(): written in place, a view_as() output would
+        # drop the hooked node from the graph, and the unit's reduction would move to the end of backward on the ranks
+        # that wrote it only (mismatched collectives); torch refuses in-place writes to split()'s views at once
+        (watched,) = inputs[0].split([inputs[0].shape[0]])
         watched.grad_fn.register_hook(lambda _grad_inputs, _grad_outputs: on_end(unit))
         return [watched if x is inputs[0] else x for x in flat]
     hooked = dict(zip(map(id, inputs), _PostBackward.apply(on_end, unit, *inputs)))
@@ -58,8 +61,14 @@ def watch_outputs(output: Any, on_begin: Callable[[Any], None]) -> None:
     """Call ``on_begin`` when the gradient of any of ``output``'s tensors that need one is computed."""
     flat = [output] if isinstance(output, Tensor) else tree_flatten(output)[0]
     tensors = [x for x in flat if isinstance(x, Tensor) and x.requires_grad]
-    if len(tensors) == 1 and tensors[0].grad_fn is not None:  # a block's usual output: a hook on its node
-        tensors[0].grad_fn.register_prehook(on_begin)  # (runs when the tensor's gradient is complete, as its hook would)
+    # a block's usual output: a hook on the node that made it, which runs when the tensor's gradient is complete, as
+    # its own hook would. A view's: on its base's node, which an in-place write to the view (by the caller) keeps in the
+    # graph, where it drops the view's own node: the unit would not be gathered for its backward
+    node = tensors[0]._base.grad_fn if len(tensors) == 1 and tensors[0]._is_view() else None
+    if node is None and len(tensors) == 1:
+        node = tensors[0].grad_fn
+    if node is not None:
+        node.register_prehook(on_begin)
     elif len(tensors) == 1:
         tensors[0].register_hook(on_begin)
     elif tensors:
