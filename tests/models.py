@@ -293,7 +293,7 @@ class ViewOut(nn.Module):
 
 class CrossViewOut(nn.Module):
     """Blocks fed two tensors that need gradients (their state and an encoder's output, which every block reads),
-    then a block returning a view of its result, which the caller writes in place."""
+    then a block returning a view of its result."""
 
     def __init__(self, d: int = 6) -> None:
         super().__init__()
@@ -307,9 +307,7 @@ class CrossViewOut(nn.Module):
         h = memory * 2
         for block in self.blocks:
             h = block(h, memory)
-        h = self.view_out(h)
-        h.mul_(0.5)  # drops the view's own autograd node: the unit must still be gathered for its backward
-        return self.out(h)
+        return self.out(self.view_out(h))
 
     @staticmethod
     def loss(model: nn.Module, batch: torch.Tensor, step: int) -> torch.Tensor:

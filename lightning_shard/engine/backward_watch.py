@@ -61,14 +61,8 @@ def watch_outputs(output: Any, on_begin: Callable[[Any], None]) -> None:
     """Call ``on_begin`` when the gradient of any of ``output``'s tensors that need one is computed."""
     flat = [output] if isinstance(output, Tensor) else tree_flatten(output)[0]
     tensors = [x for x in flat if isinstance(x, Tensor) and x.requires_grad]
-    # a block's usual output: a hook on the node that made it, which runs when the tensor's gradient is complete, as
-    # its own hook would. A view's: on its base's node, which an in-place write to the view (by the caller) keeps in the
-    # graph, where it drops the view's own node: the unit would not be gathered for its backward
-    node = tensors[0]._base.grad_fn if len(tensors) == 1 and tensors[0]._is_view() else None
-    if node is None and len(tensors) == 1:
-        node = tensors[0].grad_fn
-    if node is not None:
-        node.register_prehook(on_begin)
+    if len(tensors) == 1 and tensors[0].grad_fn is not None:  # a block's usual output: a hook on its node
+        tensors[0].grad_fn.register_prehook(on_begin)  # (runs when the tensor's gradient is complete, as its hook would)
     elif len(tensors) == 1:
         tensors[0].register_hook(on_begin)
     elif tensors:
