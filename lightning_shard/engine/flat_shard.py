@@ -99,7 +99,6 @@ class FlatShard:
         self._shards_in_tree = [(parameters, attr, self.shard_params[i]) for parameters, attr, i in places]
         self.trainable = [i for i, s in enumerate(slots) if s.requires_grad]
         self.requires_grad = [s.requires_grad for s in slots]  # as last synced (see sync_requires_grad)
-        self._all_train = all(self.requires_grad)
         self._both_params = self.shard_params + self.gathered_params  # compared in one pass at every use of the unit
         self._both_requires_grad = self.requires_grad * 2
         # the flat gradient shard and the shard parameters' ``.grad`` views of it, held weakly: the parameters'
@@ -198,7 +197,6 @@ class FlatShard:
                 changed = True
         if changed:
             self.trainable = [i for i, trains in enumerate(self.requires_grad) if trains]
-            self._all_train = all(self.requires_grad)
             self._both_requires_grad = self.requires_grad * 2
         return unfrozen
 
@@ -233,8 +231,6 @@ class FlatShard:
         later step). Computing in the master dtype, without their flat buffer: each gathered parameter's gradient
         becomes its shard parameter's, flattened (no copy), or is added to the one it has."""
         if not (reduce_dtype == self.param_dtype == self.master_dtype):  # a cast per unit, not one per parameter
-            if self._fresh_hand_over(reduce_dtype):
-                return
             flat, used, _ = self.take_unsharded_grads(reduce_dtype)
             self.accumulate_shard_grad(flat, used)
             return
@@ -250,25 +246,6 @@ class FlatShard:
                 shard.grad = grad
             else:
                 shard.grad.add_(grad)
-
-    def _fresh_hand_over(self, reduce_dtype: torch.dtype) -> bool:
-        """:meth:`hand_over_grads`'s usual step, in fewer calls: every parameter trains and got a gradient, none of
-        the shards has one (after ``zero_grad``), no padding. Returns whether it applied."""
-        grads = [param.grad for param in self.gathered_params]
-        if (self._padding or not self._all_train or any(grad is None for grad in grads)
-                or any(param.grad is not None for param in self.shard_params)):
-            return False
-        for param in self.gathered_params:
-            param.grad = None
-        flat = _flatten_dense_tensors(grads).to(reduce_dtype).to(self.master_dtype)
-        if flat.requires_grad:  # (create_graph=True) split()'s views would refuse a later in-place add
-            return self.accumulate_shard_grad(flat, self.trainable) is None
-        views = flat.split(self._grad_split)
-        for param, view in zip(self.shard_params, views):
-            param.grad = view
-        self._shard_grad = weakref.ref(flat)
-        self._shard_grad_views = {i: weakref.ref(view) for i, view in enumerate(views[:-1])}
-        return True
 
     @property
     def shard_grad(self) -> Optional[Tensor]:
