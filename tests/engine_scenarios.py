@@ -32,7 +32,7 @@ SCENARIOS = {
     "gpt_checkpointed": (models.TinyGPT, {"activation_checkpointing": True}),
     "gpt_checkpointed_inner": (models.TinyGPT, {"units": ["Block"],
                                                 "activation_checkpointing": ["MultiheadAttention", "Sequential"]}),
-    "cross_view_out": (models.CrossViewOut, {"units": ["CrossBlock", "ViewOut"]}),
+    "cross_view_out": (models.CrossViewOut, {"units": ["CrossBlock", "ViewOut", "Halves"]}),
     "untied_checkpointed": (models.UntiedLM, {"units": ["Embedding", "Block"], "activation_checkpointing": True}),
 }
 

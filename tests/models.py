@@ -283,31 +283,49 @@ class CrossBlock(nn.Module):
 
 
 class ViewOut(nn.Module):
+    def __init__(self, d: int, keep: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.keep = keep
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return (h + torch.tanh(self.lin(h)))[:, :self.keep]  # a view of its result
+
+
+class Halves(nn.Module):
     def __init__(self, d: int) -> None:
         super().__init__()
         self.lin = nn.Linear(d, d)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return (h + torch.tanh(self.lin(h)))[:, :-1]  # a view of its result
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        result = h + torch.tanh(self.lin(h))
+        half = h.shape[1] // 2
+        return result[:, :half], result[:, half:]  # two views of its result
 
 
 class CrossViewOut(nn.Module):
     """Blocks fed two tensors that need gradients (their state and an encoder's output, which every block reads),
-    then a block returning a view of its result."""
+    between blocks returning views of their result, which the caller writes in place: that replaces the views'
+    autograd nodes, not their base's, so each unit is still gathered for its backward."""
 
     def __init__(self, d: int = 6) -> None:
         super().__init__()
         self.enc = nn.Linear(d, d)
+        self.halves = Halves(d)
         self.blocks = nn.ModuleList(CrossBlock(d) for _ in range(2))
-        self.view_out = ViewOut(d)
+        self.view_mid = ViewOut(d, keep=d)
+        self.view_out = ViewOut(d, keep=d - 1)
         self.out = nn.Linear(d - 1, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         memory = torch.tanh(self.enc(x))
-        h = memory * 2
-        for block in self.blocks:
-            h = block(h, memory)
-        return self.out(self.view_out(h))
+        first, second = self.halves(memory * 2)
+        first.mul_(2)
+        second.mul_(3)
+        h = self.blocks[0](torch.cat([first, second], dim=1), memory)
+        h = self.view_mid(h)
+        h.mul_(2)
+        return self.out(self.view_out(self.blocks[1](h, memory)))
 
     @staticmethod
     def loss(model: nn.Module, batch: torch.Tensor, step: int) -> torch.Tensor:

@@ -57,13 +57,26 @@ def watch_inputs(unit: Unit, flat: list, on_end: Callable[[Unit], None]) -> list
     return [hooked.get(id(x), x) for x in flat]
 
 
-def watch_outputs(output: Any, on_begin: Callable[[Any], None]) -> None:
-    """Call ``on_begin`` when the gradient of any of ``output``'s tensors that need one is computed."""
+def watch_outputs(output: Any, on_begin: Callable[[Any], None], call_began: int = -1) -> None:
+    """Call ``on_begin`` when the gradient of any of ``output``'s tensors that need one is computed. ``call_began``:
+    the autograd sequence number when the call that made ``output`` began (``-1``: unknown)."""
     flat = [output] if isinstance(output, Tensor) else tree_flatten(output)[0]
-    tensors = [x for x in flat if isinstance(x, Tensor) and x.requires_grad]
+    tensors = [_outlives_writes(x, call_began) for x in flat if isinstance(x, Tensor) and x.requires_grad]
     if len(tensors) == 1 and tensors[0].grad_fn is not None:  # a block's usual output: a hook on its node
         tensors[0].grad_fn.register_prehook(on_begin)  # (runs when the tensor's gradient is complete, as its hook would)
     elif len(tensors) == 1:
         tensors[0].register_hook(on_begin)
     elif tensors:
-        torch.autograd.graph.register_multi_grad_hook(tensors, on_begin, mode="any")
+        torch.autograd.graph.register_multi_grad_hook(list({id(x): x for x in tensors}.values()), on_begin, mode="any")
+
+
+def _outlives_writes(output: Tensor, call_began: int) -> Tensor:
+    """``output``, or for a view of a tensor the call made, that tensor: a caller's in-place write to a view replaces
+    the view's autograd node, and drops its hooks, not its base's (a view's backward reads no parameter). A base made
+    before the call (its input, returned as it came) has another unit's node: hooked, it would gather this unit after
+    its backward."""
+    if call_began >= 0 and output._is_view():
+        base_node = output._base.grad_fn
+        if base_node is not None and base_node._sequence_nr() >= call_began:
+            return output._base
+    return output

@@ -293,13 +293,15 @@ class ShardRuntime(HeldUnits, RuntimeOptimizers, RuntimeNorms, ModuleGuards):
         cast = needs_cast(unit)
         watch = (unit.watches_backward_end and not self._held and torch.is_grad_enabled()
                  and not self._recomputing_for_saved_tensors(unit))
-        if not (cast or watch):
-            return None  # the arguments as they are
-        flat, rebuild = flatten_arguments(args, kwargs)
-        changed = cast_floating(flat, unit.storage.param_dtype) if cast else flat
-        if watch:
-            changed = watch_inputs(unit, changed, self._post_backward)
-        return rebuild(changed) if changed is not flat else None
+        arguments = None  # the arguments as they are
+        if cast or watch:
+            flat, rebuild = flatten_arguments(args, kwargs)
+            changed = cast_floating(flat, unit.storage.param_dtype) if cast else flat
+            if watch:
+                changed = watch_inputs(unit, changed, self._post_backward)
+            arguments = rebuild(changed) if changed is not flat else None
+        unit.call_began = torch.autograd._get_sequence_nr()  # after the nodes made here: they are not the call's own
+        return arguments
 
     def _recomputing_for_saved_tensors(self, unit: Unit) -> bool:
         """A call inside backward of a unit whose backward is still to come: a non-reentrant checkpoint
@@ -320,7 +322,7 @@ class ShardRuntime(HeldUnits, RuntimeOptimizers, RuntimeNorms, ModuleGuards):
                 and (unit.reshard_after_forward or not grad_enabled)):
             self.schedule.reshard(unit)
         if grad_enabled and not self._recomputing_for_saved_tensors(unit):
-            watch_outputs(output, lambda _: self._pre_backward(unit))
+            watch_outputs(output, lambda _: self._pre_backward(unit), unit.call_began)
         return output
 
     def _pre_backward(self, unit: Unit) -> None:
