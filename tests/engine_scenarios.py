@@ -34,6 +34,7 @@ SCENARIOS = {
                                                 "activation_checkpointing": ["MultiheadAttention", "Sequential"]}),
     "cross_view_out": (models.CrossViewOut, {"units": ["CrossBlock", "ViewOut", "Halves"]}),
     "untied_checkpointed": (models.UntiedLM, {"units": ["Embedding", "Block"], "activation_checkpointing": True}),
+    "gradient_penalty": (models.Penalized, {"units": ["TanhBlock"]}),
 }
 
 ORDER_WARNING = "order in which units run changed"

@@ -334,3 +334,40 @@ class CrossViewOut(nn.Module):
     @staticmethod
     def batch(generator: torch.Generator, n: int) -> torch.Tensor:
         return torch.randn(n, 6, generator=generator)
+
+
+class TanhBlock(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + torch.tanh(self.lin(h))
+
+
+class Penalized(nn.Module):
+    """A critic trained with a gradient penalty (WGAN-GP's): the loss holds the input gradient's norm, so backward
+    runs through the graph of a ``create_graph=True`` backward, which reads every unit's parameters again."""
+
+    def __init__(self, d: int = 6) -> None:
+        super().__init__()
+        self.stem = nn.Linear(d, d)
+        self.blocks = nn.ModuleList(TanhBlock(d) for _ in range(3))
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.stem(x))
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+    @staticmethod
+    def loss(model: nn.Module, batch: torch.Tensor, step: int) -> torch.Tensor:
+        x = batch.clone().requires_grad_(True)
+        score = model(x)
+        (slope,) = torch.autograd.grad(score.sum(), x, create_graph=True)
+        return score.pow(2).mean() + (slope.norm(dim=1) - 1).pow(2).mean()
+
+    @staticmethod
+    def batch(generator: torch.Generator, n: int) -> torch.Tensor:
+        return torch.randn(n, 6, generator=generator)

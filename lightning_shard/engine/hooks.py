@@ -20,7 +20,6 @@ from hooks, and their order is the order in which the hooks fire.
 from __future__ import annotations
 
 import os
-import warnings
 from typing import Any, Callable, Optional
 
 import torch
@@ -89,6 +88,9 @@ class ShardRuntime(HeldUnits, RuntimeOptimizers, RuntimeNorms, ModuleGuards):
         self.reducer = GradientReducer(units, groups, reduce_dtype, self.stats, self.schedule)
         self._depth = 0  # nesting of steps / root forwards
         self._final_callback_queued = False  # a backward is running
+        # a create_graph=True backward ran in this step: its graph reads the gathered parameters again, so every unit
+        # stays gathered, and every reduction waits for the end of the backward through it (a gradient penalty)
+        self._backward_graph_kept = False
         self._handles: list[Any] = []
         self._watched: set[int] = set()  # ids of gathered parameters with a post-accumulate-grad hook
         self.broadcast_buffers = broadcast_buffers
@@ -146,6 +148,7 @@ class ShardRuntime(HeldUnits, RuntimeOptimizers, RuntimeNorms, ModuleGuards):
             self._recover_from_failed_backward()
         if self._depth == 0 and not self._final_callback_queued:
             # a previous step that ran no backward may have left units gathered: their data may be stale
+            self._backward_graph_kept = False
             for unit in self.units:
                 self.schedule.reshard(unit)
                 unit.storage.shards_changed()  # offload: copied from the master again, whatever wrote it since
@@ -193,6 +196,8 @@ class ShardRuntime(HeldUnits, RuntimeOptimizers, RuntimeNorms, ModuleGuards):
         self._last_step_stats = None
         self.stats.reset()
         self.steps_done += 1
+        if self._backward_graph_kept:  # the shards changed under the kept graph: it is done with, not gathered anew
+            self._free_after_backward()
         self.refresh_gathered()
 
     @property
@@ -337,6 +342,8 @@ class ShardRuntime(HeldUnits, RuntimeOptimizers, RuntimeNorms, ModuleGuards):
             self.schedule.backward_reached(unit, self.elision.needs_backward_gather)
 
     def _post_backward(self, unit: Unit) -> None:
+        if self._backward_graph_kept or torch.is_grad_enabled():  # (grad mode in backward: create_graph=True)
+            return  # reduced, and freed, at the end of backward: a node of the kept graph may still read or add to it
         unit.backward_pending -= 1
         if unit.backward_pending > 0 or unit.unseen_backward:  # another call's backward may still be running
             return
@@ -351,37 +358,32 @@ class ShardRuntime(HeldUnits, RuntimeOptimizers, RuntimeNorms, ModuleGuards):
 
     def _finish_backward(self) -> None:
         self._final_callback_queued = False
+        self._backward_graph_kept = torch.is_grad_enabled()  # create_graph=True: keep what its graph reads
         try:
             self.reducer.finish()
             if self.nonfinite is not None:
                 self._apply_nonfinite_policy()
-        finally:  # after an error too: the tree holds the shard parameters again (what an optimizer must be given)
+        finally:  # after an error too
             for unit in self.units:
                 unit.backward_pending, unit.unseen_backward = 0, False
-                if unit is not self.root_unit or self._depth == 0:
-                    self.schedule.reshard(unit)
+            if not self._backward_graph_kept:
+                self._free_after_backward()
+
+    def _free_after_backward(self) -> None:
+        """The tree holds the shard parameters again (what an optimizer must be given); a step's root stays gathered."""
+        self._backward_graph_kept = False
+        for unit in self.units:
+            if unit is not self.root_unit or self._depth == 0:
+                self.schedule.reshard(unit)
 
     def _recover_from_failed_backward(self) -> None:
         """A backward raised (e.g. a caught out-of-memory) before its final callback ran: drop its partial
         gradients and in-flight reductions, so that the next step starts clean."""
         self._final_callback_queued = False
+        self._backward_graph_kept = False
         self.reducer.abandon()
         for unit in self.units:
             unit.backward_pending, unit.unseen_backward = 0, False
             for param in unit.storage.gathered_params:
                 param.grad = None
             self.schedule.reshard(unit)
-
-    def _apply_nonfinite_policy(self) -> None:
-        """All ranks agree whether any gradient shard is not finite (a non-finite loss makes them so)."""
-        first = self.reducer.first_nonfinite()
-        if first is None:
-            return
-        if self.nonfinite == "error":
-            raise FloatingPointError(
-                f"lightning_shard: non-finite gradient at step {self.steps_done}, first in unit {first.name!r}."
-            )
-        for unit in self.units:  # "skip": the optimizer sees no gradient anywhere, on every rank
-            unit.storage.clear_grads()
-        self.skipped_steps += 1
-        warnings.warn(f"lightning_shard: step {self.steps_done} skipped: non-finite gradient in unit {first.name!r}.")

@@ -10,6 +10,7 @@ group computes the same norm alone, and nothing is counted once per replica."""
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Optional
 
 import torch
@@ -76,7 +77,22 @@ def clip_grad_norm_(parameters: list[Tensor], sharded: list[bool], max_norm: flo
 
 
 class RuntimeNorms:
-    """ShardRuntime's gradient norms (mixed in: ``units``, ``root``, ``groups``, ``stats``)."""
+    """ShardRuntime's gradient norms, and what a non-finite gradient does (mixed in: ``units``, ``root``, ``groups``,
+    ``stats``, ``reducer``, ``nonfinite``, ``steps_done``, ``skipped_steps``)."""
+
+    def _apply_nonfinite_policy(self) -> None:
+        """All ranks agree whether any gradient shard is not finite (a non-finite loss makes them so)."""
+        first = self.reducer.first_nonfinite()
+        if first is None:
+            return
+        if self.nonfinite == "error":
+            raise FloatingPointError(
+                f"lightning_shard: non-finite gradient at step {self.steps_done}, first in unit {first.name!r}."
+            )
+        for unit in self.units:  # "skip": the optimizer sees no gradient anywhere, on every rank
+            unit.storage.clear_grads()
+        self.skipped_steps += 1
+        warnings.warn(f"lightning_shard: step {self.steps_done} skipped: non-finite gradient in unit {first.name!r}.")
 
     def clip_grad_norm_(self, parameters: list[Tensor], max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip by the norm over all shards, as ``torch.nn.utils.clip_grad_norm_`` on the unsharded model."""
