@@ -88,8 +88,9 @@ class ShardRuntime(HeldUnits, RuntimeOptimizers, RuntimeNorms, ModuleGuards):
         self.reducer = GradientReducer(units, groups, reduce_dtype, self.stats, self.schedule)
         self._depth = 0  # nesting of steps / root forwards
         self._final_callback_queued = False  # a backward is running
-        # a create_graph=True backward ran in this step: its graph reads the gathered parameters again, so every unit
-        # stays gathered, and every reduction waits for the end of the backward through it (a gradient penalty)
+        # a create_graph=True backward ran: its graph reads the gathered parameters again, so every unit stays gathered
+        # (forwards in between free none) until a backward without create_graph ends, or an optimizer step; that
+        # backward reduces at its end only, as the kept graph adds to gradients after a unit's backward (a penalty)
         self._backward_graph_kept = False
         self._handles: list[Any] = []
         self._watched: set[int] = set()  # ids of gathered parameters with a post-accumulate-grad hook
@@ -148,9 +149,9 @@ class ShardRuntime(HeldUnits, RuntimeOptimizers, RuntimeNorms, ModuleGuards):
             self._recover_from_failed_backward()
         if self._depth == 0 and not self._final_callback_queued:
             # a previous step that ran no backward may have left units gathered: their data may be stale
-            self._backward_graph_kept = False
             for unit in self.units:
-                self.schedule.reshard(unit)
+                if not self._backward_graph_kept:
+                    self.schedule.reshard(unit)
                 unit.storage.shards_changed()  # offload: copied from the master again, whatever wrote it since
                 unit.backward_pending, unit.unseen_backward = 0, False
             for unit in self.units:
@@ -181,7 +182,7 @@ class ShardRuntime(HeldUnits, RuntimeOptimizers, RuntimeNorms, ModuleGuards):
         if self._final_callback_queued:
             return
         if not expects_backward(output):
-            for unit in self.units:
+            for unit in self.units if not self._backward_graph_kept else ():
                 self.schedule.reshard(unit)
         elif self.root_unit is not None:  # gathered again should a backward begin after one freed it (retain_graph)
             watch_outputs(output, lambda _: self._pre_backward(self.root_unit))
@@ -323,7 +324,7 @@ class ShardRuntime(HeldUnits, RuntimeOptimizers, RuntimeNorms, ModuleGuards):
         keep_for_backward = grad_enabled and bool(order) and unit is order[-1]
         # a recomputation inside backward: the unit's backward follows at once and frees it
         recomputing = self._final_callback_queued
-        if (module is unit.members[-1] and not keep_for_backward and not recomputing
+        if (module is unit.members[-1] and not keep_for_backward and not recomputing and not self._backward_graph_kept
                 and (unit.reshard_after_forward or not grad_enabled)):
             self.schedule.reshard(unit)
         if grad_enabled and not self._recomputing_for_saved_tensors(unit):
