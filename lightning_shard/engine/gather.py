@@ -98,7 +98,9 @@ class GatherSchedule:
         if self.track_storage and not unit.storage.aliases_shard:
             self._gathered_storage[unit.storage.gathered.untyped_storage().data_ptr()] = unit
 
-    def reshard(self, unit: Unit) -> None:
+    def reshard(self, unit: Unit, keep_storage: bool = False) -> None:
+        """The tree holds the unit's shard parameters; its gathered buffer is freed unless ``keep_storage`` (autograd
+        may still read it: a graph kept by ``create_graph=True``; a gather writes the same values into it again)."""
         if unit.inflight is not None:  # never free a buffer a collective is still writing
             self._land(unit)
         if unit.is_gathered:
@@ -106,7 +108,7 @@ class GatherSchedule:
             unit.is_gathered = False
             if self.track_storage:
                 self._gathered_storage.pop(unit.storage.gathered.untyped_storage().data_ptr(), None)
-        if not unit.storage.aliases_shard and unit.storage.is_allocated:
+        if not unit.storage.aliases_shard and unit.storage.is_allocated and not keep_storage:
             self.gathered_bytes -= unit.storage.gathered_nbytes
             self.streams.writes(("gathered", unit.name))  # freed on compute, after every reader has been waited for
             unit.storage.free()

@@ -88,9 +88,9 @@ class ShardRuntime(HeldUnits, RuntimeOptimizers, RuntimeNorms, ModuleGuards):
         self.reducer = GradientReducer(units, groups, reduce_dtype, self.stats, self.schedule)
         self._depth = 0  # nesting of steps / root forwards
         self._final_callback_queued = False  # a backward is running
-        # a create_graph=True backward ran: its graph reads the gathered parameters again, so every unit stays gathered
-        # (forwards in between free none) until a backward without create_graph ends, or an optimizer step; that
-        # backward reduces at its end only, as the kept graph adds to gradients after a unit's backward (a penalty)
+        # a create_graph=True backward ran: its graph reads the gathered buffers again, so none is freed (forwards in
+        # between gather the same values into them) until a backward without create_graph ends, or an optimizer step;
+        # that backward reduces at its end only, as the kept graph adds to gradients after a unit's backward (a penalty)
         self._backward_graph_kept = False
         self._handles: list[Any] = []
         self._watched: set[int] = set()  # ids of gathered parameters with a post-accumulate-grad hook
@@ -150,8 +150,7 @@ class ShardRuntime(HeldUnits, RuntimeOptimizers, RuntimeNorms, ModuleGuards):
         if self._depth == 0 and not self._final_callback_queued:
             # a previous step that ran no backward may have left units gathered: their data may be stale
             for unit in self.units:
-                if not self._backward_graph_kept:
-                    self.schedule.reshard(unit)
+                self.schedule.reshard(unit, keep_storage=self._backward_graph_kept)
                 unit.storage.shards_changed()  # offload: copied from the master again, whatever wrote it since
                 unit.backward_pending, unit.unseen_backward = 0, False
             for unit in self.units:
@@ -182,8 +181,8 @@ class ShardRuntime(HeldUnits, RuntimeOptimizers, RuntimeNorms, ModuleGuards):
         if self._final_callback_queued:
             return
         if not expects_backward(output):
-            for unit in self.units if not self._backward_graph_kept else ():
-                self.schedule.reshard(unit)
+            for unit in self.units:
+                self.schedule.reshard(unit, keep_storage=self._backward_graph_kept)
         elif self.root_unit is not None:  # gathered again should a backward begin after one freed it (retain_graph)
             watch_outputs(output, lambda _: self._pre_backward(self.root_unit))
 
@@ -197,7 +196,7 @@ class ShardRuntime(HeldUnits, RuntimeOptimizers, RuntimeNorms, ModuleGuards):
         self._last_step_stats = None
         self.stats.reset()
         self.steps_done += 1
-        if self._backward_graph_kept:  # the shards changed under the kept graph: it is done with, not gathered anew
+        if self._backward_graph_kept:  # the shards changed under the kept graph: it is done with
             self._free_after_backward()
         self.refresh_gathered()
 
@@ -324,9 +323,9 @@ class ShardRuntime(HeldUnits, RuntimeOptimizers, RuntimeNorms, ModuleGuards):
         keep_for_backward = grad_enabled and bool(order) and unit is order[-1]
         # a recomputation inside backward: the unit's backward follows at once and frees it
         recomputing = self._final_callback_queued
-        if (module is unit.members[-1] and not keep_for_backward and not recomputing and not self._backward_graph_kept
+        if (module is unit.members[-1] and not keep_for_backward and not recomputing
                 and (unit.reshard_after_forward or not grad_enabled)):
-            self.schedule.reshard(unit)
+            self.schedule.reshard(unit, keep_storage=self._backward_graph_kept)
         if grad_enabled and not self._recomputing_for_saved_tensors(unit):
             watch_outputs(output, lambda _: self._pre_backward(unit), unit.call_began)
         return output
@@ -367,15 +366,15 @@ class ShardRuntime(HeldUnits, RuntimeOptimizers, RuntimeNorms, ModuleGuards):
         finally:  # after an error too
             for unit in self.units:
                 unit.backward_pending, unit.unseen_backward = 0, False
-            if not self._backward_graph_kept:
-                self._free_after_backward()
+            self._free_after_backward(keep_storage=self._backward_graph_kept)
 
-    def _free_after_backward(self) -> None:
-        """The tree holds the shard parameters again (what an optimizer must be given); a step's root stays gathered."""
-        self._backward_graph_kept = False
+    def _free_after_backward(self, keep_storage: bool = False) -> None:
+        """The tree holds the shard parameters again, with their gradients (what an optimizer must be given); a step's
+        root stays gathered. ``keep_storage``: the gathered buffers stay allocated, for the kept graph to read."""
+        self._backward_graph_kept = keep_storage
         for unit in self.units:
             if unit is not self.root_unit or self._depth == 0:
-                self.schedule.reshard(unit)
+                self.schedule.reshard(unit, keep_storage)
 
     def _recover_from_failed_backward(self) -> None:
         """A backward raised (e.g. a caught out-of-memory) before its final callback ran: drop its partial
