@@ -14,6 +14,8 @@ a tensor hook, a handle object and a dictionary more than a node's hook. Several
 
 from __future__ import annotations
 
+from itertools import chain
+from operator import attrgetter
 from typing import Any, Callable
 
 import torch
@@ -21,6 +23,8 @@ from torch import Tensor
 from torch.utils._pytree import tree_flatten
 
 from lightning_shard.engine.unit import Unit
+
+_GRAD = attrgetter("grad")
 
 
 class _PostBackward(torch.autograd.Function):
@@ -40,8 +44,10 @@ class _PostBackward(torch.autograd.Function):
 def watch_inputs(unit: Unit, flat: list, on_end: Callable[[Unit], None]) -> list:
     """``flat`` with its tensors that need a gradient passed through one identity node, whose backward calls
     ``on_end(unit)``; unchanged, and the unit marked as reduced at the end of backward, when there are none."""
-    # each tensor once: a module may test identity (`attn(h, h, h)` projects once when `query is key`)
-    inputs = list({id(x): x for x in flat if isinstance(x, Tensor) and x.requires_grad}.values())
+    if len(flat) == 1:  # a block's usual call
+        inputs = [flat[0]] if isinstance(flat[0], Tensor) and flat[0].requires_grad else []
+    else:  # each tensor once: a module may test identity (`attn(h, h, h)` projects once when `query is key`)
+        inputs = list({id(x): x for x in flat if isinstance(x, Tensor) and x.requires_grad}.values())
     if not inputs:  # nothing to hook: the final callback reduces this unit
         unit.unseen_backward = True
         return flat
@@ -50,24 +56,28 @@ def watch_inputs(unit: Unit, flat: list, on_end: Callable[[Unit], None]) -> list
         # a C++ view node and its hook. One split()'s view, not view_as(): written in place, a view_as() output would
         # drop the hooked node from the graph, and the unit's reduction would move to the end of backward on the ranks
         # that wrote it only (mismatched collectives); torch refuses in-place writes to split()'s views at once
-        (watched,) = inputs[0].split([inputs[0].shape[0]])
+        (watched,) = inputs[0].split_with_sizes([inputs[0].shape[0]])  # (Tensor.split is a Python wrapper of it)
         watched.grad_fn.register_hook(lambda _grad_inputs, _grad_outputs: on_end(unit))
         return [watched if x is inputs[0] else x for x in flat]
     hooked = dict(zip(map(id, inputs), _PostBackward.apply(on_end, unit, *inputs)))
     return [hooked.get(id(x), x) for x in flat]
 
 
-def watch_outputs(output: Any, on_begin: Callable[[Any], None], call_began: int = -1) -> None:
-    """Call ``on_begin`` when the gradient of any of ``output``'s tensors that need one is computed. ``call_began``:
-    the autograd sequence number when the call that made ``output`` began (``-1``: unknown)."""
+def watch_outputs(output: Any, on_begin: Callable[[Any], None], call_began: int = -1) -> bool:
+    """Call ``on_begin`` when the gradient of any of ``output``'s tensors that need one is computed; False if there
+    is none. ``call_began``: the autograd sequence number when the call that made ``output`` began (``-1``: unknown)."""
+    if isinstance(output, Tensor) and output.requires_grad and not output._is_view() and output.grad_fn is not None:
+        output.grad_fn.register_prehook(on_begin)  # a block's usual output (runs when its gradient is complete)
+        return True
     flat = [output] if isinstance(output, Tensor) else tree_flatten(output)[0]
     tensors = [_outlives_writes(x, call_began) for x in flat if isinstance(x, Tensor) and x.requires_grad]
-    if len(tensors) == 1 and tensors[0].grad_fn is not None:  # a block's usual output: a hook on its node
-        tensors[0].grad_fn.register_prehook(on_begin)  # (runs when the tensor's gradient is complete, as its hook would)
+    if len(tensors) == 1 and tensors[0].grad_fn is not None:
+        tensors[0].grad_fn.register_prehook(on_begin)
     elif len(tensors) == 1:
         tensors[0].register_hook(on_begin)
     elif tensors:
         torch.autograd.graph.register_multi_grad_hook(list({id(x): x for x in tensors}.values()), on_begin, mode="any")
+    return bool(tensors)
 
 
 def _outlives_writes(output: Tensor, call_began: int) -> Tensor:
@@ -80,3 +90,19 @@ def _outlives_writes(output: Tensor, call_began: int) -> Tensor:
         if base_node is not None and base_node._sequence_nr() >= call_began:
             return output._base
     return output
+
+
+def refuse_unseen_gradients(units: list[Unit], when: str) -> None:
+    """Raise if a gathered parameter holds a gradient that no reduction took, ``when`` none may (a step's start, an
+    optimizer step): a backward reached it that no hook saw, or the last backward ran inside ``no_sync()``."""
+    grads = set(map(_GRAD, chain.from_iterable(unit.storage.gathered_params for unit in units)))  # in C: every step
+    if grads and grads != {None}:
+        name = next(slot.names[0] for unit in units for slot, param in zip(unit.storage.slots,
+                                                                            unit.storage.gathered_params)
+                    if param.grad is not None)
+        raise RuntimeError(
+            f"lightning_shard: at {when}, {name!r} holds a gradient that was never reduced across ranks. Either a"
+            " backward reached it only through a tensor its unit kept instead of returning it (`self.aux = ...`"
+            " in forward, backpropagated on its own): return such a tensor from forward, or add it to a loss"
+            " that also goes through the model's output; or the last backward before an optimizer step ran"
+            " inside no_sync(): run it outside.")

@@ -80,6 +80,7 @@ class FlatShard:
         # the gathered buffer under its own autograd version counter: what the engine writes into it (as an all-gather
         # does) leaves the version of the gathered parameters, which autograd may have saved, as it was
         self.gathered_data = self.gathered.data
+        self.gathered_nbytes = self.padded_numel * self.gathered.element_size()
 
         self._allocated = True  # the gathered buffer has its storage (a flag: asking the storage costs more)
         self.shard_ranges = [self.shard_range(s) for s in slots]  # read at every step's gradient hand-over
@@ -93,10 +94,15 @@ class FlatShard:
             for s in slots
         ]
         self.free()  # views exist now; the storage comes back at the first gather
-        # where each parameter is registered in the module tree, flat: swapped at every gather and free of a step
-        places = [(module._parameters, attr, i) for i, slot in enumerate(slots) for module, attr in slot.locations]
-        self._gathered_in_tree = [(parameters, attr, self.gathered_params[i]) for parameters, attr, i in places]
-        self._shards_in_tree = [(parameters, attr, self.shard_params[i]) for parameters, attr, i in places]
+        # where each parameter is registered in the module tree, per module: swapped at every gather and free of a
+        # step, one dict.update() per module
+        in_tree: dict[int, tuple[dict, dict, dict]] = {}  # id(module._parameters) -> (it, shard, gathered params)
+        for i, slot in enumerate(slots):
+            for module, attr in slot.locations:
+                _, shards, gathered = in_tree.setdefault(id(module._parameters), (module._parameters, {}, {}))
+                shards[attr], gathered[attr] = self.shard_params[i], self.gathered_params[i]
+        self._shards_in_tree = [(parameters, shards) for parameters, shards, _ in in_tree.values()]
+        self._gathered_in_tree = [(parameters, gathered) for parameters, _, gathered in in_tree.values()]
         self.trainable = [i for i, s in enumerate(slots) if s.requires_grad]
         self.requires_grad = [s.requires_grad for s in slots]  # as last synced (see sync_requires_grad)
         self._both_params = self.shard_params + self.gathered_params  # compared in one pass at every use of the unit
@@ -131,14 +137,10 @@ class FlatShard:
     def is_allocated(self) -> bool:
         return self._allocated
 
-    @property
-    def gathered_nbytes(self) -> int:
-        return self.padded_numel * self.gathered.element_size()
-
     def allocate(self) -> Tensor:
         """Give the gathered buffer its storage back; returns the buffer to gather into."""
         if not self._allocated:
-            self.gathered.untyped_storage().resize_(self.padded_numel * self.gathered.element_size())
+            self.gathered.untyped_storage().resize_(self.gathered_nbytes)
             self._allocated = True
         return self.gathered
 
@@ -170,12 +172,12 @@ class FlatShard:
 
     # -- module attributes --------------------------------------------------------------------------
     def use_gathered(self) -> None:
-        for parameters, attr, param in self._gathered_in_tree:
-            parameters[attr] = param
+        for parameters, gathered in self._gathered_in_tree:
+            parameters.update(gathered)
 
     def use_shards(self) -> None:
-        for parameters, attr, param in self._shards_in_tree:
-            parameters[attr] = param
+        for parameters, shards in self._shards_in_tree:
+            parameters.update(shards)
 
     # -- gradients ----------------------------------------------------------------------------------
     def sync_requires_grad(self) -> list[nn.Parameter]:
@@ -208,16 +210,16 @@ class FlatShard:
         the gradients taken, which the caller keeps alive until the stream that read them has been waited for.
         """
         grads = [param.grad for param in self.gathered_params]
+        for param in self.gathered_params:
+            param.grad = None
         used = [i for i, grad in enumerate(grads) if grad is not None]
-        taken = [grads[i] for i in used]
-        for i in used:
-            self.gathered_params[i].grad = None
-        if len(used) == len(grads) and all(grad.dtype == taken[0].dtype for grad in taken):  # the usual case
+        if len(used) == len(grads):  # the usual case (torch.cat promotes gradients of another dtype, exactly)
             if not self._padding:  # one copy (flattened in C++), then (computing in bf16) one cast
-                return _flatten_dense_tensors(taken).to(dtype), used, taken
-            pieces = [grad.reshape(-1) for grad in taken]
-            pieces.append(torch.zeros(self._padding, dtype=taken[0].dtype, device=self.device))
-            return torch.cat(pieces).to(dtype), used, taken
+                return _flatten_dense_tensors(grads).to(dtype), used, grads
+            pieces = [grad.reshape(-1) for grad in grads]
+            pieces.append(torch.zeros(self._padding, dtype=grads[0].dtype, device=self.device))
+            return torch.cat(pieces).to(dtype), used, grads
+        taken = [grads[i] for i in used]
         pieces = [grad.reshape(-1).to(dtype) if grad is not None
                   else torch.zeros(slot.numel, dtype=dtype, device=self.device)
                   for slot, grad in zip(self.slots, grads)]
@@ -301,7 +303,8 @@ class FlatShard:
         optimizer replaced or cleared some ``.grad`` (``zero_grad(set_to_none=True)``) or a parameter
         gets its first gradient; then a fresh buffer starts, keeping every surviving gradient.
         """
-        reduced = reduced.to(self.master_dtype)
+        if reduced.dtype != self.master_dtype:
+            reduced = reduced.to(self.master_dtype)
         views = self._shard_grad_views
         shard_grad = self.shard_grad
         if (
@@ -314,18 +317,19 @@ class FlatShard:
         new_views = {}
         # one split() for the views, unless autograd records them (create_graph=True): split()'s views then refuse
         # the in-place add below
-        split = None if reduced.requires_grad else reduced.split(self._grad_split)
+        split = None if reduced.requires_grad else reduced.split_with_sizes(self._grad_split)
         for i in self.trainable:
             param = self.shard_params[i]
-            if i not in used and param.grad is None:
+            grad = param.grad
+            if grad is None and i not in used:
                 continue
             if split is not None:
                 view = split[i]
             else:
                 lo, hi = self.shard_ranges[i]
                 view = reduced[lo:hi]
-            if param.grad is not None:
-                view.add_(param.grad)
+            if grad is not None:
+                view.add_(grad)
             param.grad = view
             new_views[i] = weakref.ref(view)
         self._shard_grad, self._shard_grad_views = weakref.ref(reduced), new_views

@@ -38,6 +38,7 @@ class GatherSchedule:
         self._forward_cursor = 0
         self._backward_cursor = 0
         self._warned_order_change = False
+        self._nothing_to_prefetch = False  # every unit of the order is its shard, or a cast made when it is gathered
         self._gathered_storage: dict[int, Unit] = {}  # data pointer of a gathered buffer -> its unit (tracked or not)
         self.track_storage = False  # backward elision asks which unit a saved tensor belongs to
 
@@ -146,7 +147,7 @@ class GatherSchedule:
 
         ``unit=None`` means the start of ``order``. A unit not found (the order changed) prefetches nothing.
         """
-        if not self.prefetch:
+        if not self.prefetch or self._nothing_to_prefetch:
             return cursor
         if unit is None:
             position = -1
@@ -173,3 +174,4 @@ class GatherSchedule:
                 " newest order (results are unaffected, only the overlap of communication with compute)."
             )
         self.order, self._backward_order = current, current[::-1]
+        self._nothing_to_prefetch = all(u.storage.aliases_shard or u.storage.casts_on_compute for u in current)

@@ -33,7 +33,7 @@ from lightning_shard.engine.arguments import (
     in_backward,
     needs_cast,
 )
-from lightning_shard.engine.backward_watch import watch_inputs, watch_outputs
+from lightning_shard.engine.backward_watch import refuse_unseen_gradients, watch_inputs, watch_outputs
 from lightning_shard.engine.collectives import CommStats
 from lightning_shard.engine.compile import run_eagerly
 from lightning_shard.engine.elision import BackwardElision
@@ -148,6 +148,8 @@ class ShardRuntime(HeldUnits, RuntimeOptimizers, RuntimeNorms, ModuleGuards):
         if self._depth == 0 and self._final_callback_queued and not in_backward():
             self._recover_from_failed_backward()
         if self._depth == 0 and not self._final_callback_queued:
+            if not self.reducer.left_unreduced:
+                refuse_unseen_gradients(self.units, "a step's start")
             # a previous step that ran no backward may have left units gathered: their data may be stale
             for unit in self.units:
                 self.schedule.reshard(unit, keep_storage=self._backward_graph_kept)
@@ -242,10 +244,9 @@ class ShardRuntime(HeldUnits, RuntimeOptimizers, RuntimeNorms, ModuleGuards):
                         eager(lambda m, a, k, u=unit: self._pre_forward(u, a, k)), with_kwargs=True))
                     self._handles.append(member.register_forward_hook(
                         eager(lambda m, a, k, out, u=unit: self._post_forward(u, m, out)), with_kwargs=True))
-            for param in unit.storage.gathered_params:
-                if param.requires_grad:
-                    self._watch_for_backward(param)
-        if self.root_unit is not None:  # the root unit's own modules get their inputs in param_dtype too
+        if self.root_unit is not None:
+            self._watch_parameters(self.root_unit)
+            # the root unit's own modules get their inputs in param_dtype too
             owners = {id(module): module for slot in self.root_unit.storage.slots for module, _ in slot.locations}
             for owner in owners.values():
                 self._handles.append(owner.register_forward_pre_hook(
@@ -255,19 +256,24 @@ class ShardRuntime(HeldUnits, RuntimeOptimizers, RuntimeNorms, ModuleGuards):
         self._handles.append(self.root.register_forward_hook(eager(lambda m, a, out: self._exit_step(out)),
                                                              always_call=True))
 
-    def _watch_for_backward(self, param: nn.Parameter) -> None:
-        """A gradient reaching a gathered parameter means a backward is running."""
-        if id(param) not in self._watched:
-            self._watched.add(id(param))
-            self._handles.append(param.register_post_accumulate_grad_hook(self._start_backward))
+    def _watch_parameters(self, unit: Unit) -> None:
+        """A gradient reaching one of the unit's gathered parameters means a backward is running: for the units whose
+        backward the hook on their outputs may not see begin (the root's step output is hooked only as the step ends,
+        after a manual backward inside it; a unit whose outputs need no gradient). Other units' outputs say it, at a
+        Python call per unit, not one per parameter."""
+        unit.parameters_watched = True
+        for param in unit.storage.gathered_params:
+            if param.requires_grad and id(param) not in self._watched:
+                self._watched.add(id(param))
+                self._handles.append(param.register_post_accumulate_grad_hook(self._start_backward))
 
     def _follow_requires_grad(self, unit: Unit) -> None:
         """Parameters frozen or unfrozen since the unit's last use (a fine-tuning callback between steps,
         ``toggle_optimizer`` inside one): its gathered parameters follow before they are computed with. The
         ranks compare what they train at each step's start (checked before its first reduction) and again in
         the agreement that ends each backward."""
-        for param in unit.storage.sync_requires_grad():
-            self._watch_for_backward(param)
+        if unit.storage.sync_requires_grad() and unit.parameters_watched:
+            self._watch_parameters(unit)
 
     def _root_module_pre_forward(self, unit: Unit, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
         self._follow_requires_grad(unit)
@@ -327,7 +333,9 @@ class ShardRuntime(HeldUnits, RuntimeOptimizers, RuntimeNorms, ModuleGuards):
                 and (unit.reshard_after_forward or not grad_enabled)):
             self.schedule.reshard(unit, keep_storage=self._backward_graph_kept)
         if grad_enabled and not self._recomputing_for_saved_tensors(unit):
-            watch_outputs(output, lambda _: self._pre_backward(unit), unit.call_began)
+            if not watch_outputs(output, lambda _: self._pre_backward(unit), unit.call_began) \
+                    and not unit.parameters_watched and unit.storage.trainable:
+                self._watch_parameters(unit)
         return output
 
     def _pre_backward(self, unit: Unit) -> None:

@@ -76,7 +76,7 @@ class OptimizerAttachment:
                      and fused_by_default(type(optimizer), first.shard.device, first.master_dtype))
         where = {id(shard): (u, unit.storage, s) for u, unit in enumerate(self.units)
                  for s, shard in enumerate(unit.storage.shard_params)}
-        step = ShardedStep(optimizer, whole, where, self.groups, self.stats, step_group_numel)
+        step = ShardedStep(optimizer, whole, self.units, where, self.groups, self.stats, step_group_numel)
         step.fused = FusedWhereUnchosen(optimizer) if fused else None
         optimizer._shard_step = step  # kept by the optimizer: it lives as long as the optimizer
         return step

@@ -81,6 +81,7 @@ class GradientReducer:
         self._done: set[int] = set()  # ids of units reduced in this backward
         self._trainable_check: Optional[Pending] = None  # the ranks' comparison of what they train, in flight
         self._handed: list[Unit] = []  # one rank: units whose gradients go to their shards as they are, at the end
+        self.left_unreduced = False  # the last backward ran inside no_sync(): the gathered parameters hold gradients
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -164,6 +165,7 @@ class GradientReducer:
     def finish(self) -> None:
         """End of backward: reduce the units whose post-backward did not fire (inputs without grad, the root),
         then wait for every reduction and hand the gradient shards to the shard parameters."""
+        self.left_unreduced = not self.sync_grads
         for unit in self.units:
             self.reduce(unit, sweep=True)
         for unit in self._handed:

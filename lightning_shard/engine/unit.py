@@ -25,6 +25,7 @@ class Unit:
         self.watches_backward_end = True  # its backward's end is seen as it happens, not at the end of backward
         self.saved_for_backward = True  # autograd saved its gathered parameters in this step's forward
         self.call_began = -1  # autograd's sequence number when its last forward call began (after its input hooks)
+        self.parameters_watched = False  # its gathered parameters' gradients say that a backward began (hooks.py)
         self.checkpointed = False  # a module reading its parameters is recomputed in backward
 
     def __repr__(self) -> str:

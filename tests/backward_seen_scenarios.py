@@ -1,0 +1,129 @@
+"""Scenarios for how the runtime sees a backward begin (run inside a gloo world, see world.py): a unit's output hook
+says it for most units; the gradients of the root unit's parameters, and of a unit whose outputs autograd cannot
+see, say it for the others; a gradient that no hook saw is refused before an optimizer step uses the others."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from lightning_shard.engine.shard_module import shard_module
+from tests.exactness_scenarios import assert_matches
+
+
+def _reference_step(reference: nn.Module, optimizer: torch.optim.Optimizer, chunks, loss_of) -> None:
+    """DDP's step on one process: the ranks' gradients averaged."""
+    for chunk in chunks:
+        loss_of(reference, chunk).backward()
+    for p in reference.parameters():
+        p.grad /= len(chunks)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _squared(model: nn.Module, x: Tensor) -> Tensor:
+    return model(x).pow(2).mean()
+
+
+def root_only_manual_backward(rank: int, world: int, mode: str, steps: int = 3) -> bool:
+    """Every parameter in the root unit and the backward inside the step (Lightning's manual optimization): the step
+    returns nothing for the runtime to hook, so only the root's parameters see the backward begin."""
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    sharded = copy.deepcopy(reference)
+    with warnings.catch_warnings():  # (that the root holds every parameter)
+        warnings.simplefilter("ignore")
+        runtime = shard_module(sharded, sharding=mode, units=[])
+    assert runtime.units == [runtime.root_unit]
+    ref_opt, opt = torch.optim.SGD(reference.parameters(), lr=0.5), torch.optim.SGD(sharded.parameters(), lr=0.5)
+    runtime.attach_optimizer(opt)
+    x = torch.randn(4 * world, 8, generator=torch.Generator().manual_seed(3))
+    for _ in range(steps):
+        _reference_step(reference, ref_opt, x.chunk(world), _squared)
+        runtime.run_step(lambda: _squared(sharded, x.chunk(world)[rank]).backward())
+        runtime.step(opt)
+        opt.zero_grad(set_to_none=True)
+    assert_matches(runtime, reference, f"root only, {mode}")
+    return True
+
+
+@dataclass
+class Box:
+    """An output autograd cannot see into: not a tensor, nor a container pytree knows."""
+
+    h: Tensor
+
+
+class BoxedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> Box:
+        return Box(torch.tanh(self.lin(x)))
+
+
+class Unboxing(nn.Module):
+    """No parameter outside the unit: nothing but the unit's own parameters can see its backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = BoxedBlock()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.block(x).h
+
+
+def boxed_output(rank: int, world: int, mode: str, steps: int = 3) -> bool:
+    torch.manual_seed(0)
+    reference = Unboxing()
+    sharded = copy.deepcopy(reference)
+    runtime = shard_module(sharded, sharding=mode, units=["BoxedBlock"])
+    assert runtime.root_unit is None
+    ref_opt, opt = torch.optim.SGD(reference.parameters(), lr=0.5), torch.optim.SGD(sharded.parameters(), lr=0.5)
+    runtime.attach_optimizer(opt)
+    x = torch.randn(4 * world, 8, generator=torch.Generator().manual_seed(3))
+    for _ in range(steps):
+        _reference_step(reference, ref_opt, x.chunk(world), _squared)
+        _squared(sharded, x.chunk(world)[rank]).backward()
+        runtime.step(opt)
+        opt.zero_grad(set_to_none=True)
+    assert_matches(runtime, reference, f"boxed output, {mode}")
+    return True
+
+
+class KeepsAux(nn.Module):
+    """A unit that keeps an auxiliary loss on itself instead of returning it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.aux_head = nn.Linear(8, 8), nn.Linear(8, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.aux = self.aux_head(x.detach()).pow(2).mean()  # a graph of its own
+        return self.lin(x)
+
+
+def unseen_gradients_refused(rank: int, world: int, case: str) -> str:
+    """A gradient on a gathered parameter that no reduction took: refused at the optimizer step, on every rank."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), KeepsAux())
+    runtime = shard_module(model, sharding="none", units=["KeepsAux"])  # (sharded, its backward reads freed storage)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    runtime.attach_optimizer(opt)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    if case == "aux alone":  # its own backward reaches the unit's parameters only, through no hooked tensor
+        model(x).sum().backward()
+        model[1].aux.backward()
+    else:  # the last backward before the step inside no_sync()
+        with runtime.no_sync():
+            model(x).sum().backward()
+    try:
+        runtime.step(opt)
+    except RuntimeError as err:
+        return str(err)
+    return "stepped"

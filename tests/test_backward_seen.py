@@ -1,0 +1,29 @@
+"""How the runtime sees a backward begin: every unit's gradients reduced like DDP's however the backward reaches
+them, or an error before the optimizer steps without them."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import backward_seen_scenarios as scenarios
+from tests.world import run_world
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.mark.parametrize("mode", ["full", "grad_op"])
+def test_a_backward_inside_the_step_through_root_parameters_only_matches_ddp(mode):
+    assert run_world(scenarios.root_only_manual_backward, 2, mode, timeout=200) == [True, True]
+
+
+@pytest.mark.parametrize("mode", ["grad_op", "none"])
+def test_a_unit_whose_output_autograd_cannot_see_matches_ddp(mode):
+    assert run_world(scenarios.boxed_output, 2, mode, timeout=200) == [True, True]
+
+
+@pytest.mark.parametrize("case", ["aux alone", "no_sync"])
+def test_a_gradient_no_reduction_took_stops_the_optimizer_step_on_every_rank(case):
+    messages = run_world(scenarios.unseen_gradients_refused, 2, case, timeout=200)
+    for message in messages:
+        assert "holds a gradient that was never reduced across ranks" in message, message
+        assert "'1.aux_head.weight'" in message or "'1.aux_head.bias'" in message or case == "no_sync", message
