@@ -127,3 +127,77 @@ def unseen_gradients_refused(rank: int, world: int, case: str) -> str:
     except RuntimeError as err:
         return str(err)
     return "stepped"
+
+
+class Critic(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(torch.nn.functional.leaky_relu(self.a(x), 0.2))
+
+
+class Shared(nn.Module):
+    """One unit called twice, the first call's input needing no gradient (weight sharing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = Critic()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.block(torch.tanh(self.block(x)))
+
+
+def _penalty(model: nn.Module, x: Tensor) -> Tensor:
+    x = x.clone().requires_grad_(True)
+    (slope,) = torch.autograd.grad(model(x).sum(), x, create_graph=True)
+    return slope.pow(2).sum(dim=1).mean()
+
+
+def _penalty_alone(model: nn.Module, x: Tensor) -> None:  # StyleGAN2's lazy R1: a step of the penalty only
+    _penalty(model, x).backward()
+
+
+def _penalty_after_the_loss(model: nn.Module, x: Tensor) -> None:  # two manual_backward calls, as in a GAN
+    penalty = _penalty(model, x)
+    model(x).pow(2).mean().backward()
+    penalty.backward()
+
+
+def _two_losses_retained(model: nn.Module, x: Tensor) -> None:
+    out = model(x)
+    out.pow(2).mean().backward(retain_graph=True)
+    out.mean().backward()
+
+
+def separate_backwards(rank: int, world: int, mode: str, case: str, steps: int = 2) -> bool:
+    """Backwards that reach a unit's parameters other than through its outputs, against DDP's averaged gradients:
+    the only unit of a critic (nothing trainable in the root) reached through a penalty's graph, alone or after the
+    loss's own backward; a unit called twice and two backwards through one graph."""
+    build, train = {
+        "penalty alone": (lambda: nn.Sequential(Critic()), _penalty_alone),
+        "penalty after the loss": (lambda: nn.Sequential(Critic()), _penalty_after_the_loss),
+        "twice, two backwards": (Shared, _two_losses_retained),
+    }[case]
+    torch.manual_seed(0)
+    reference = build()
+    sharded = copy.deepcopy(reference)
+    runtime = shard_module(sharded, sharding=mode, units=["Critic"])
+    assert runtime.root_unit is None
+    ref_opt, opt = torch.optim.SGD(reference.parameters(), lr=0.1), torch.optim.SGD(sharded.parameters(), lr=0.1)
+    runtime.attach_optimizer(opt)
+    for step in range(steps):
+        x = torch.randn(4 * world, 8, generator=torch.Generator().manual_seed(step))
+        for chunk in x.chunk(world):
+            train(reference, chunk)
+        for p in reference.parameters():
+            if p.grad is not None:  # (a penalty alone gives the last bias none)
+                p.grad /= world
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        train(sharded, x.chunk(world)[rank])
+        runtime.step(opt)
+        opt.zero_grad(set_to_none=True)
+    assert_matches(runtime, reference, f"{case}, {mode}")
+    return True

@@ -27,3 +27,10 @@ def test_a_gradient_no_reduction_took_stops_the_optimizer_step_on_every_rank(cas
     for message in messages:
         assert "holds a gradient that was never reduced across ranks" in message, message
         assert "'1.aux_head.weight'" in message or "'1.aux_head.bias'" in message or case == "no_sync", message
+
+
+@pytest.mark.parametrize("case", ["penalty alone", "penalty after the loss", "twice, two backwards"])
+@pytest.mark.parametrize("world", [1, 2])
+def test_backwards_that_reach_a_unit_other_than_through_its_outputs_match_ddp(case, world):
+    for mode in ("full", "grad_op", "none"):
+        assert run_world(scenarios.separate_backwards, world, mode, case, timeout=200) == [True] * world, mode

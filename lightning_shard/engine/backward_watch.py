@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten
 
+from lightning_shard.engine.reduce import GradientReducer
 from lightning_shard.engine.unit import Unit
 
 _GRAD = attrgetter("grad")
@@ -49,9 +50,10 @@ def watch_inputs(unit: Unit, flat: list, on_end: Callable[[Unit], None]) -> list
     else:  # each tensor once: a module may test identity (`attn(h, h, h)` projects once when `query is key`)
         inputs = list({id(x): x for x in flat if isinstance(x, Tensor) and x.requires_grad}.values())
     if not inputs:  # nothing to hook: the final callback reduces this unit
-        unit.unseen_backward = True
+        unit.unseen_backward = unit.call_unwatched = True
         return flat
     unit.backward_pending += 1
+    unit.calls_watched += 1
     if len(inputs) == 1 and inputs[0].dim() and inputs[0].layout == torch.strided:  # a block's usual call
         # a C++ view node and its hook. One split()'s view, not view_as(): written in place, a view_as() output would
         # drop the hooked node from the graph, and the unit's reduction would move to the end of backward on the ranks
@@ -92,9 +94,13 @@ def _outlives_writes(output: Tensor, call_began: int) -> Tensor:
     return output
 
 
-def refuse_unseen_gradients(units: list[Unit], when: str) -> None:
-    """Raise if a gathered parameter holds a gradient that no reduction took, ``when`` none may (a step's start, an
-    optimizer step): a backward reached it that no hook saw, or the last backward ran inside ``no_sync()``."""
+def refuse_unseen_gradients(units: list[Unit], reducer: GradientReducer, when: str) -> None:
+    """Raise if a gathered parameter holds a gradient that no reduction took, or a reduction was not completed, ``when``
+    neither may be (a step's start, an optimizer step): a backward reached them that no hook saw, or the last backward
+    ran inside ``no_sync()``."""
+    if reducer.in_flight:
+        raise RuntimeError(f"lightning_shard: at {when}, gradient reductions begun in a backward were never completed:"
+                           " the runtime did not see that backward begin. Please report the model's habit.")
     grads = set(map(_GRAD, chain.from_iterable(unit.storage.gathered_params for unit in units)))  # in C: every step
     if grads and grads != {None}:
         name = next(slot.names[0] for unit in units for slot, param in zip(unit.storage.slots,

@@ -88,9 +88,10 @@ class ShardRuntime(HeldUnits, RuntimeOptimizers, RuntimeNorms, ModuleGuards):
         self.reducer = GradientReducer(units, groups, reduce_dtype, self.stats, self.schedule)
         self._depth = 0  # nesting of steps / root forwards
         self._final_callback_queued = False  # a backward is running
-        # a create_graph=True backward ran: its graph reads the gathered buffers again, so none is freed (forwards in
-        # between gather the same values into them) until a backward without create_graph ends, or an optimizer step;
-        # that backward reduces at its end only, as the kept graph adds to gradients after a unit's backward (a penalty)
+        # a create_graph=True backward ran: its graph reads the gathered buffers again (a penalty backpropagated with the
+        # loss, or after it), so none is freed until an optimizer step (forwards in between gather the same values into
+        # them); each backward until then reduces at its end only: the kept graph adds to a unit's gradients after the
+        # unit's own backward
         self._backward_graph_kept = False
         self._handles: list[Any] = []
         self._watched: set[int] = set()  # ids of gathered parameters with a post-accumulate-grad hook
@@ -100,6 +101,7 @@ class ShardRuntime(HeldUnits, RuntimeOptimizers, RuntimeNorms, ModuleGuards):
         self._held = False  # inside keep_gathered(): every unit gathered, forwards run no collective
         self.undo: list[Callable[[], None]] = []  # restores what was wrapped at setup (activation checkpointing)
         self.optimizers = OptimizerAttachment(units, groups, self.stats)
+        self.optimizers.before_step = lambda: refuse_unseen_gradients(units, self.reducer, "an optimizer step")
         for unit in units:  # one rank, computing in the shard itself: nothing to free or reduce before backward ends
             unit.watches_backward_end = not (self.world_size == 1 and unit.storage.aliases_shard)
         self._install_hooks()
@@ -149,12 +151,12 @@ class ShardRuntime(HeldUnits, RuntimeOptimizers, RuntimeNorms, ModuleGuards):
             self._recover_from_failed_backward()
         if self._depth == 0 and not self._final_callback_queued:
             if not self.reducer.left_unreduced:
-                refuse_unseen_gradients(self.units, "a step's start")
+                refuse_unseen_gradients(self.units, self.reducer, "a step's start")
             # a previous step that ran no backward may have left units gathered: their data may be stale
             for unit in self.units:
                 self.schedule.reshard(unit, keep_storage=self._backward_graph_kept)
                 unit.storage.shards_changed()  # offload: copied from the master again, whatever wrote it since
-                unit.backward_pending, unit.unseen_backward = 0, False
+                unit.forget_calls()
             for unit in self.units:
                 self._follow_requires_grad(unit)
             if step and self.world_size > 1 and torch.is_grad_enabled():
@@ -257,10 +259,8 @@ class ShardRuntime(HeldUnits, RuntimeOptimizers, RuntimeNorms, ModuleGuards):
                                                              always_call=True))
 
     def _watch_parameters(self, unit: Unit) -> None:
-        """A gradient reaching one of the unit's gathered parameters means a backward is running: for the units whose
-        backward the hook on their outputs may not see begin (the root's step output is hooked only as the step ends,
-        after a manual backward inside it; a unit whose outputs need no gradient). Other units' outputs say it, at a
-        Python call per unit, not one per parameter."""
+        """A gradient reaching the unit's gathered parameters says a backward began, where its outputs' hook may not (the
+        root's, hooked as the step ends: a manual backward is inside it; no output needing a gradient; a kept graph)."""
         unit.parameters_watched = True
         for param in unit.storage.gathered_params:
             if param.requires_grad and id(param) not in self._watched:
@@ -350,6 +350,7 @@ class ShardRuntime(HeldUnits, RuntimeOptimizers, RuntimeNorms, ModuleGuards):
             self.schedule.backward_reached(unit, self.elision.needs_backward_gather)
 
     def _post_backward(self, unit: Unit) -> None:
+        self._start_backward(None)  # (a backward through a unit's inputs only: a penalty's, an auxiliary loss's)
         if self._backward_graph_kept or torch.is_grad_enabled():  # (grad mode in backward: create_graph=True)
             return  # reduced, and freed, at the end of backward: a node of the kept graph may still read or add to it
         unit.backward_pending -= 1
@@ -358,7 +359,7 @@ class ShardRuntime(HeldUnits, RuntimeOptimizers, RuntimeNorms, ModuleGuards):
         self.schedule.reshard(unit)  # first: its gathered buffer is free before its gradients are flattened
         self.reducer.reduce(unit)
 
-    def _start_backward(self, _param: Optional[Tensor]) -> None:  # a post-accumulate-grad hook, called per parameter
+    def _start_backward(self, _param: Optional[Tensor]) -> None:  # also a post-accumulate-grad hook (_watch_parameters)
         if not self._final_callback_queued:
             self._final_callback_queued = True
             self.schedule.start_backward()
@@ -366,14 +367,16 @@ class ShardRuntime(HeldUnits, RuntimeOptimizers, RuntimeNorms, ModuleGuards):
 
     def _finish_backward(self) -> None:
         self._final_callback_queued = False
-        self._backward_graph_kept = torch.is_grad_enabled()  # create_graph=True: keep what its graph reads
+        self._backward_graph_kept |= torch.is_grad_enabled()  # create_graph=True: keep what its graph reads
         try:
             self.reducer.finish()
             if self.nonfinite is not None:
                 self._apply_nonfinite_policy()
         finally:  # after an error too
             for unit in self.units:
-                unit.backward_pending, unit.unseen_backward = 0, False
+                unit.await_calls_again()
+                if self._backward_graph_kept and not unit.parameters_watched:  # the next backward may reach them
+                    self._watch_parameters(unit)  # through the kept graph only (a penalty backpropagated alone)
             self._free_after_backward(keep_storage=self._backward_graph_kept)
 
     def _free_after_backward(self, keep_storage: bool = False) -> None:
@@ -391,7 +394,7 @@ class ShardRuntime(HeldUnits, RuntimeOptimizers, RuntimeNorms, ModuleGuards):
         self._backward_graph_kept = False
         self.reducer.abandon()
         for unit in self.units:
-            unit.backward_pending, unit.unseen_backward = 0, False
+            unit.forget_calls()
             for param in unit.storage.gathered_params:
                 param.grad = None
             self.schedule.reshard(unit)

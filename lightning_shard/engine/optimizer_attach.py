@@ -35,6 +35,7 @@ class OptimizerAttachment:
         self.world = groups.shard_size
         self.stats = stats
         self._placeholders: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id -> (placeholder, shard)
+        self.before_step: Optional[Callable[[], None]] = None  # each sharded step's check that the gradients are whole
 
     @contextmanager
     def shaped_parameters(self) -> Iterator[None]:
@@ -76,8 +77,9 @@ class OptimizerAttachment:
                      and fused_by_default(type(optimizer), first.shard.device, first.master_dtype))
         where = {id(shard): (u, unit.storage, s) for u, unit in enumerate(self.units)
                  for s, shard in enumerate(unit.storage.shard_params)}
-        step = ShardedStep(optimizer, whole, self.units, where, self.groups, self.stats, step_group_numel)
+        step = ShardedStep(optimizer, whole, where, self.groups, self.stats, step_group_numel)
         step.fused = FusedWhereUnchosen(optimizer) if fused else None
+        step.before_step = self.before_step
         optimizer._shard_step = step  # kept by the optimizer: it lives as long as the optimizer
         return step
 

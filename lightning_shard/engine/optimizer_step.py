@@ -29,13 +29,11 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_shard.engine import collectives
-from lightning_shard.engine.backward_watch import refuse_unseen_gradients
 from lightning_shard.engine.collectives import CommStats, Pending
 from lightning_shard.engine.flat_shard import FlatShard
 from lightning_shard.engine.groups import ShardGroups
 from lightning_shard.engine.fused_default import FusedWhereUnchosen
 from lightning_shard.engine.optimizer_groups import agree_on_groups
-from lightning_shard.engine.unit import Unit
 from lightning_shard.engine.step_plan import OWNERS, SHARDS, VIEWS, Bucket, Entry, StepPlan, params_key, plan_step
 
 DEFAULT_STEP_GROUP_NUMEL = 2**25  # parameter elements per rank stepped at once (128 MiB of fp32 per state tensor)
@@ -44,12 +42,11 @@ DEFAULT_STEP_GROUP_NUMEL = 2**25  # parameter elements per rank stepped at once 
 class ShardedStep:
     """``optimizer.step`` for a sharded model (the strategy calls it in place of the optimizer's own)."""
 
-    def __init__(self, optimizer: Optimizer, whole: bool, units: list[Unit], where: dict[int, tuple[int, FlatShard, int]],
+    def __init__(self, optimizer: Optimizer, whole: bool, where: dict[int, tuple[int, FlatShard, int]],
                  groups: ShardGroups, stats: CommStats, group_numel: int) -> None:
         self.optimizer = optimizer
         self.whole = whole
         self.where = where  # id(shard parameter) -> (unit index, storage, slot)
-        self.units = units
         self.groups = groups
         self.group, self.world = groups.shard, groups.shard_size  # the owners' exchanges
         self.rank = dist.get_rank(self.group) if self.world > 1 else 0
@@ -67,6 +64,7 @@ class ShardedStep:
         self._membership: list = []  # the groups' fingerprint of membership, for their current parameters
         self.groups_merged = 0  # how many times the ranks' param groups differed and were merged
         self.on_merge: Optional[Callable[[], None]] = None  # told after each merge (the strategy's records)
+        self.before_step: Optional[Callable[[], None]] = None  # after the closure: the gradients are complete (hooks.py)
         self._owners: dict[int, int] = {}  # id(shard parameter) -> the owner any plan gave it: its state is there
         # torch's fused kernel where the groups chose no implementation (on a GPU; offload: on the CPU)
         self.fused: Optional[FusedWhereUnchosen] = None
@@ -78,7 +76,8 @@ class ShardedStep:
         if closure is not None:  # first, as every torch optimizer does: the gradients come from it
             with torch.enable_grad():
                 loss = closure()
-        refuse_unseen_gradients(self.units, "an optimizer step")
+        if self.before_step is not None:
+            self.before_step()
         # the optimizer's step hooks run once around the whole step, as for an unsharded ``step()``
         self._running = True
         try:

@@ -83,6 +83,11 @@ class GradientReducer:
         self._handed: list[Unit] = []  # one rank: units whose gradients go to their shards as they are, at the end
         self.left_unreduced = False  # the last backward ran inside no_sync(): the gathered parameters hold gradients
 
+    @property
+    def in_flight(self) -> bool:
+        """Reductions begun and not yet handed to the shard parameters (only inside a backward)."""
+        return bool(self._pending or self._replicating or self._reduced or self._handed)
+
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate unsharded gradients locally, without reduction (costs a full gradient per unit)."""

@@ -18,15 +18,26 @@ class Unit:
         self.reshard_after_forward = reshard_after_forward
         self.is_gathered = False  # gathered data valid and registered on the members
         self.inflight: Optional[Pending] = None  # a prefetch all-gather not yet waited for
-        self.backward_pending = 0  # forward calls whose post-backward has not fired yet
+        self.backward_pending = 0  # forward calls whose post-backward has not fired yet in this backward
         # a call under grad with no input needing grad (raw data into a first block): its backward cannot be seen
         # ending, so the unit is reduced at the end of backward, not when its other calls' backward ends
         self.unseen_backward = False
+        # the same for the step's forward calls: what a next backward through their graph (retain_graph) waits for
+        self.calls_watched, self.call_unwatched = 0, False
         self.watches_backward_end = True  # its backward's end is seen as it happens, not at the end of backward
         self.saved_for_backward = True  # autograd saved its gathered parameters in this step's forward
         self.call_began = -1  # autograd's sequence number when its last forward call began (after its input hooks)
         self.parameters_watched = False  # its gathered parameters' gradients say that a backward began (hooks.py)
         self.checkpointed = False  # a module reading its parameters is recomputed in backward
+
+    def forget_calls(self) -> None:
+        """A new step (or a failed backward): no forward call waits for its backward."""
+        self.backward_pending = self.calls_watched = 0
+        self.unseen_backward = self.call_unwatched = False
+
+    def await_calls_again(self) -> None:
+        """A backward ended: one more through the same graph (``retain_graph``) waits for the same calls' backward."""
+        self.backward_pending, self.unseen_backward = self.calls_watched, self.call_unwatched
 
     def __repr__(self) -> str:
         return f"Unit({self.name!r}, numel={self.storage.padded_numel})"
