@@ -201,3 +201,33 @@ def separate_backwards(rank: int, world: int, mode: str, case: str, steps: int =
         opt.zero_grad(set_to_none=True)
     assert_matches(runtime, reference, f"{case}, {mode}")
     return True
+
+
+class Chain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Critic() for _ in range(4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def micro_batches_in_one_step(rank: int, world: int) -> list[int]:
+    """Three forward-backward micro-batches inside one step (a loop in ``training_step``): each backward frees and
+    reduces each unit as its own backward ends, so the peak of gathered bytes is the same in each."""
+    torch.manual_seed(0)
+    model = Chain()
+    runtime = shard_module(model, sharding="full", units=["Critic"])
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(rank))
+    peaks = []
+
+    def step() -> None:
+        for chunk in x.chunk(3):
+            runtime.schedule.peak_gathered_bytes = runtime.schedule.gathered_bytes
+            model(chunk).pow(2).mean().backward()
+            peaks.append(runtime.schedule.peak_gathered_bytes)
+
+    runtime.run_step(step)
+    return peaks

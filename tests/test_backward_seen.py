@@ -34,3 +34,8 @@ def test_a_gradient_no_reduction_took_stops_the_optimizer_step_on_every_rank(cas
 def test_backwards_that_reach_a_unit_other_than_through_its_outputs_match_ddp(case, world):
     for mode in ("full", "grad_op", "none"):
         assert run_world(scenarios.separate_backwards, world, mode, case, timeout=200) == [True] * world, mode
+
+
+def test_each_backward_of_several_in_one_step_frees_units_as_it_goes():
+    peaks = run_world(scenarios.micro_batches_in_one_step, 2, timeout=200)[0]
+    assert peaks[1] == peaks[2] == peaks[0], peaks

@@ -45,6 +45,8 @@ class _PostBackward(torch.autograd.Function):
 def watch_inputs(unit: Unit, flat: list, on_end: Callable[[Unit], None]) -> list:
     """``flat`` with its tensors that need a gradient passed through one identity node, whose backward calls
     ``on_end(unit)``; unchanged, and the unit marked as reduced at the end of backward, when there are none."""
+    if unit.rearmed and torch._C._current_graph_task_id() == -1:  # a new forward after a backward: its calls count
+        unit.forget_calls()
     if len(flat) == 1:  # a block's usual call
         inputs = [flat[0]] if isinstance(flat[0], Tensor) and flat[0].requires_grad else []
     else:  # each tensor once: a module may test identity (`attn(h, h, h)` projects once when `query is key`)

@@ -22,8 +22,9 @@ class Unit:
         # a call under grad with no input needing grad (raw data into a first block): its backward cannot be seen
         # ending, so the unit is reduced at the end of backward, not when its other calls' backward ends
         self.unseen_backward = False
-        # the same for the step's forward calls: what a next backward through their graph (retain_graph) waits for
-        self.calls_watched, self.call_unwatched = 0, False
+        # the same for the forward calls since the last backward: what a next backward through their graph
+        # (retain_graph) waits for again, until a new forward call (rearmed: a backward ended since)
+        self.calls_watched, self.call_unwatched, self.rearmed = 0, False, False
         self.watches_backward_end = True  # its backward's end is seen as it happens, not at the end of backward
         self.saved_for_backward = True  # autograd saved its gathered parameters in this step's forward
         self.call_began = -1  # autograd's sequence number when its last forward call began (after its input hooks)
@@ -33,11 +34,12 @@ class Unit:
     def forget_calls(self) -> None:
         """A new step (or a failed backward): no forward call waits for its backward."""
         self.backward_pending = self.calls_watched = 0
-        self.unseen_backward = self.call_unwatched = False
+        self.unseen_backward = self.call_unwatched = self.rearmed = False
 
     def await_calls_again(self) -> None:
         """A backward ended: one more through the same graph (``retain_graph``) waits for the same calls' backward."""
         self.backward_pending, self.unseen_backward = self.calls_watched, self.call_unwatched
+        self.rearmed = True
 
     def __repr__(self) -> str:
         return f"Unit({self.name!r}, numel={self.storage.padded_numel})"
