@@ -171,7 +171,7 @@ def _two_losses_retained(model: nn.Module, x: Tensor) -> None:
     out.mean().backward()
 
 
-def separate_backwards(rank: int, world: int, mode: str, case: str, steps: int = 2) -> bool:
+def separate_backwards(rank: int, world: int, mode: str, case: str, steps: int = 2, checkpointed: bool = False) -> bool:
     """Backwards that reach a unit's parameters other than through its outputs, against DDP's averaged gradients:
     the only unit of a critic (nothing trainable in the root) reached through a penalty's graph, alone or after the
     loss's own backward; a unit called twice and two backwards through one graph."""
@@ -183,7 +183,7 @@ def separate_backwards(rank: int, world: int, mode: str, case: str, steps: int =
     torch.manual_seed(0)
     reference = build()
     sharded = copy.deepcopy(reference)
-    runtime = shard_module(sharded, sharding=mode, units=["Critic"])
+    runtime = shard_module(sharded, sharding=mode, units=["Critic"], activation_checkpointing=checkpointed)
     assert runtime.root_unit is None
     ref_opt, opt = torch.optim.SGD(reference.parameters(), lr=0.1), torch.optim.SGD(sharded.parameters(), lr=0.1)
     runtime.attach_optimizer(opt)

@@ -39,3 +39,9 @@ def test_backwards_that_reach_a_unit_other_than_through_its_outputs_match_ddp(ca
 def test_each_backward_of_several_in_one_step_frees_units_as_it_goes():
     peaks = run_world(scenarios.micro_batches_in_one_step, 2, timeout=200)[0]
     assert peaks[1] == peaks[2] == peaks[0], peaks
+
+
+@pytest.mark.parametrize("case", ["penalty alone", "penalty after the loss"])
+def test_a_penalty_backpropagated_on_its_own_recomputes_checkpointed_units_gathered(case):
+    for mode in ("full", "grad_op", "none"):
+        assert run_world(scenarios.separate_backwards, 2, mode, case, 2, True, timeout=200) == [True, True], mode

@@ -5,8 +5,9 @@ Note: the wrapper goes *inside* the unit's hooks (it replaces the module's ``for
 dicts do not change): the pre-forward hook gathers the unit, the checkpointed forward keeps only its
 inputs, and the post-forward hook frees the unit. In backward the unit's pre-backward gathers it once,
 and the recomputation and the unit's own backward both use that gather. The recomputation calls the
-original ``forward`` directly, so no unit hook fires inside it; a module holding another unit's members
-would recompute them ungathered, and is refused.
+original ``forward`` directly, so no unit hook fires inside it: it gathers its unit itself where no
+pre-backward did (a penalty's graph, backpropagated on its own, reaches the unit through no output of it).
+A module holding another unit's members would recompute them ungathered, and is refused.
 """
 
 from __future__ import annotations
@@ -70,19 +71,23 @@ def checkpoint_targets(
 
 
 def checkpoint_modules(
-    root: nn.Module, units: list["Unit"], root_unit: Optional["Unit"], spec: Union[bool, tuple[UnitSpec, ...]]
+    root: nn.Module, units: list["Unit"], root_unit: Optional["Unit"], spec: Union[bool, tuple[UnitSpec, ...]],
+    gather: Callable[["Unit"], None],
 ) -> list[Callable[[], None]]:
-    """Checkpoint the chosen modules; mark the units they read as needed in backward. Returns undo functions."""
+    """Checkpoint the chosen modules; mark the units they read as needed in backward. Returns undo functions.
+    ``gather``: gathers a unit (a no-op where it is gathered), called as each module's forward runs again."""
     targets = checkpoint_targets(root, [unit.members for unit in units if unit is not root_unit], spec)
     owners = _owning_units(units)
+    undo = []
     for _name, module in targets:
-        for sub in module.modules():
-            for unit in owners.get(id(sub), ()):
-                unit.checkpointed = True  # its parameters are needed again by the recomputation
-    return [wrap_forward(module) for _name, module in targets]
+        read = {id(unit): unit for sub in module.modules() for unit in owners.get(id(sub), ())}.values()
+        for unit in read:
+            unit.checkpointed = True  # its parameters are needed again by the recomputation
+        undo.append(wrap_forward(module, lambda units=tuple(read): [gather(unit) for unit in units]))
+    return undo
 
 
-def wrap_forward(module: nn.Module) -> Callable[[], None]:
+def wrap_forward(module: nn.Module, before_run: Optional[Callable[[], Any]] = None) -> Callable[[], None]:
     forward = module.forward
 
     def checkpointed_forward(*args: Any, **kwargs: Any) -> Any:
@@ -95,6 +100,8 @@ def wrap_forward(module: nn.Module) -> Callable[[], None]:
         tensors = list({id(x): x for x in flat if isinstance(x, Tensor)}.values())
 
         def run(*inputs: Tensor) -> Any:
+            if before_run is not None:
+                before_run()
             given = dict(zip(map(id, tensors), inputs))
             call_args, call_kwargs = tree_unflatten([given.get(id(x), x) for x in flat], spec)
             return forward(*call_args, **call_kwargs)
