@@ -164,6 +164,11 @@ def main() -> None:
             results[f"{sharding}_resumed"] = {**resumed, "losses": first["losses"] + resumed["losses"]}
     if int(os.environ.get("LOCAL_RANK", 0)) == 0 and int(os.environ.get("NODE_RANK", 0)) == 0:
         torch.save(results, os.path.join(args.out, "results.pt"))
+    # the group Lightning's DDPStrategy created (run first) is left to interpreter shutdown, where gloo's threads
+    # may abort the process ("terminate called without an active exception", seen once on node 1 of the 2-node run)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
