@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import warnings
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
@@ -15,40 +16,64 @@ from lightning_shard.engine.shard_module import shard_module
 from tests.exactness_scenarios import assert_matches
 
 
-def _reference_step(reference: nn.Module, optimizer: torch.optim.Optimizer, chunks, loss_of) -> None:
-    """DDP's step on one process: the ranks' gradients averaged."""
-    for chunk in chunks:
-        loss_of(reference, chunk).backward()
-    for p in reference.parameters():
-        p.grad /= len(chunks)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+def against_ddp(rank: int, world: int, build: Callable[[], nn.Module], shard: Callable[[nn.Module], Any],
+                train: Callable[[nn.Module, Tensor], None], tag: str, steps: int = 2, in_step: bool = False) -> bool:
+    """``train`` (forwards and backwards of one batch) on the sharded model against DDP's numbers: the same on one
+    process over every rank's batch, the gradients averaged; SGD steps; ``in_step``: inside ``runtime.run_step``."""
+    torch.manual_seed(0)
+    reference = build()
+    sharded = copy.deepcopy(reference)
+    runtime = shard(sharded)
+    ref_opt, opt = torch.optim.SGD(reference.parameters(), lr=0.1), torch.optim.SGD(sharded.parameters(), lr=0.1)
+    runtime.attach_optimizer(opt)
+    for step in range(steps):
+        x = torch.randn(4 * world, 8, generator=torch.Generator().manual_seed(step))
+        for chunk in x.chunk(world):
+            train(reference, chunk)
+        for p in reference.parameters():
+            if p.grad is not None:  # (a penalty alone gives the last bias none)
+                p.grad /= world
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        mine = x.chunk(world)[rank]
+        if in_step:
+            runtime.run_step(train, sharded, mine)
+        else:
+            train(sharded, mine)
+        runtime.step(opt)
+        opt.zero_grad(set_to_none=True)
+    assert_matches(runtime, reference, tag)
+    return True
 
 
 def _squared(model: nn.Module, x: Tensor) -> Tensor:
     return model(x).pow(2).mean()
 
 
-def root_only_manual_backward(rank: int, world: int, mode: str, steps: int = 3) -> bool:
-    """Every parameter in the root unit and the backward inside the step (Lightning's manual optimization): the step
-    returns nothing for the runtime to hook, so only the root's parameters see the backward begin."""
-    torch.manual_seed(0)
-    reference = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
-    sharded = copy.deepcopy(reference)
+def _squared_backward(model: nn.Module, x: Tensor) -> None:
+    _squared(model, x).backward()
+
+
+def _root_only(model: nn.Module, mode: str) -> Any:
     with warnings.catch_warnings():  # (that the root holds every parameter)
         warnings.simplefilter("ignore")
-        runtime = shard_module(sharded, sharding=mode, units=[])
+        runtime = shard_module(model, sharding=mode, units=[])
     assert runtime.units == [runtime.root_unit]
-    ref_opt, opt = torch.optim.SGD(reference.parameters(), lr=0.5), torch.optim.SGD(sharded.parameters(), lr=0.5)
-    runtime.attach_optimizer(opt)
-    x = torch.randn(4 * world, 8, generator=torch.Generator().manual_seed(3))
-    for _ in range(steps):
-        _reference_step(reference, ref_opt, x.chunk(world), _squared)
-        runtime.run_step(lambda: _squared(sharded, x.chunk(world)[rank]).backward())
-        runtime.step(opt)
-        opt.zero_grad(set_to_none=True)
-    assert_matches(runtime, reference, f"root only, {mode}")
-    return True
+    return runtime
+
+
+def _no_root(model: nn.Module, mode: str, unit: str, checkpointed: bool = False) -> Any:
+    runtime = shard_module(model, sharding=mode, units=[unit], activation_checkpointing=checkpointed)
+    assert runtime.root_unit is None  # nothing but the unit's own hooks can see its backward
+    return runtime
+
+
+def root_only_manual_backward(rank: int, world: int, mode: str) -> bool:
+    """Every parameter in the root unit and the backward inside the step (Lightning's manual optimization): the step
+    returns nothing for the runtime to hook, so only the root's parameters see the backward begin."""
+    return against_ddp(rank, world, lambda: nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)),
+                       lambda model: _root_only(model, mode), _squared_backward, f"root only, {mode}", steps=3,
+                       in_step=True)
 
 
 @dataclass
@@ -78,22 +103,9 @@ class Unboxing(nn.Module):
         return self.block(x).h
 
 
-def boxed_output(rank: int, world: int, mode: str, steps: int = 3) -> bool:
-    torch.manual_seed(0)
-    reference = Unboxing()
-    sharded = copy.deepcopy(reference)
-    runtime = shard_module(sharded, sharding=mode, units=["BoxedBlock"])
-    assert runtime.root_unit is None
-    ref_opt, opt = torch.optim.SGD(reference.parameters(), lr=0.5), torch.optim.SGD(sharded.parameters(), lr=0.5)
-    runtime.attach_optimizer(opt)
-    x = torch.randn(4 * world, 8, generator=torch.Generator().manual_seed(3))
-    for _ in range(steps):
-        _reference_step(reference, ref_opt, x.chunk(world), _squared)
-        _squared(sharded, x.chunk(world)[rank]).backward()
-        runtime.step(opt)
-        opt.zero_grad(set_to_none=True)
-    assert_matches(runtime, reference, f"boxed output, {mode}")
-    return True
+def boxed_output(rank: int, world: int, mode: str) -> bool:
+    return against_ddp(rank, world, Unboxing, lambda model: _no_root(model, mode, "BoxedBlock"), _squared_backward,
+                       f"boxed output, {mode}", steps=3)
 
 
 class KeepsAux(nn.Module):
@@ -180,27 +192,8 @@ def separate_backwards(rank: int, world: int, mode: str, case: str, steps: int =
         "penalty after the loss": (lambda: nn.Sequential(Critic()), _penalty_after_the_loss),
         "twice, two backwards": (Shared, _two_losses_retained),
     }[case]
-    torch.manual_seed(0)
-    reference = build()
-    sharded = copy.deepcopy(reference)
-    runtime = shard_module(sharded, sharding=mode, units=["Critic"], activation_checkpointing=checkpointed)
-    assert runtime.root_unit is None
-    ref_opt, opt = torch.optim.SGD(reference.parameters(), lr=0.1), torch.optim.SGD(sharded.parameters(), lr=0.1)
-    runtime.attach_optimizer(opt)
-    for step in range(steps):
-        x = torch.randn(4 * world, 8, generator=torch.Generator().manual_seed(step))
-        for chunk in x.chunk(world):
-            train(reference, chunk)
-        for p in reference.parameters():
-            if p.grad is not None:  # (a penalty alone gives the last bias none)
-                p.grad /= world
-        ref_opt.step()
-        ref_opt.zero_grad(set_to_none=True)
-        train(sharded, x.chunk(world)[rank])
-        runtime.step(opt)
-        opt.zero_grad(set_to_none=True)
-    assert_matches(runtime, reference, f"{case}, {mode}")
-    return True
+    return against_ddp(rank, world, build, lambda model: _no_root(model, mode, "Critic", checkpointed), train,
+                       f"{case}, {mode}", steps)
 
 
 class Chain(nn.Module):
