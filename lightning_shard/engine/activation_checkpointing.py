@@ -13,6 +13,7 @@ A module holding another unit's members would recompute them ungathered, and is 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
@@ -80,10 +81,10 @@ def checkpoint_modules(
     owners = _owning_units(units)
     undo = []
     for _name, module in targets:
-        read = {id(unit): unit for sub in module.modules() for unit in owners.get(id(sub), ())}.values()
+        read = tuple({id(unit): unit for sub in module.modules() for unit in owners.get(id(sub), ())}.values())
         for unit in read:
             unit.checkpointed = True  # its parameters are needed again by the recomputation
-        undo.append(wrap_forward(module, lambda units=tuple(read): [gather(unit) for unit in units]))
+        undo.append(wrap_forward(module, partial(_gather_all, gather, read)))
     return undo
 
 
@@ -110,6 +111,11 @@ def wrap_forward(module: nn.Module, before_run: Optional[Callable[[], Any]] = No
 
     module.forward = checkpointed_forward  # type: ignore[method-assign]
     return lambda: delattr(module, "forward")
+
+
+def _gather_all(gather: Callable[["Unit"], None], units: tuple["Unit", ...]) -> None:
+    for unit in units:
+        gather(unit)
 
 
 def _owning_units(units: list["Unit"]) -> dict[int, list["Unit"]]:
