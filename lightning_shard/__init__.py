@@ -20,10 +20,11 @@ from lightning_shard.checkpoint.export import save_pretrained
 from lightning_shard.checkpoint.pretrained import load_pretrained
 from lightning_shard.engine.shard_module import shard_module
 from lightning_shard.lightning.callbacks import SavePretrained
+from lightning_shard.lightning.ema import ShardedEMA
 from lightning_shard.lightning.precision import MixedPrecision
 from lightning_shard.lightning.strategy import ShardStrategy
 
 ShardStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["MixedPrecision", "SavePretrained", "ShardStrategy", "consolidate", "load_pretrained", "save_pretrained",
-           "shard_module"]
+__all__ = ["MixedPrecision", "SavePretrained", "ShardStrategy", "ShardedEMA", "consolidate", "load_pretrained",
+           "save_pretrained", "shard_module"]

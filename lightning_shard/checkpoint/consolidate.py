@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_shard.checkpoint import files
-from lightning_shard.checkpoint.sharded import MODEL_PREFIX, optimizer_prefix, read_metadata
+from lightning_shard.checkpoint.sharded import CURRENT_PREFIX, MODEL_PREFIX, optimizer_prefix, read_metadata
 
 
 def consolidate(directory: Union[str, Path], out: Optional[Union[str, Path]] = None,
@@ -49,9 +49,11 @@ def consolidate(directory: Union[str, Path], out: Optional[Union[str, Path]] = N
         dcp.load(tensors, storage_reader=files.SafeReader(str(directory)), no_dist=True)
 
     checkpoint = files.load_weights(directory / files.META, "checkpoint metadata")
-    checkpoint["state_dict"] = {k[len(MODEL_PREFIX):]: v for k, v in tensors.items() if k.startswith(MODEL_PREFIX)}
-    if model is not None:
-        checkpoint["state_dict"] = _through_hooks(model, checkpoint["state_dict"])
+    # current_model_state: the weights trained, where state_dict holds their average (``model`` keeps state_dict's)
+    for key, prefix in (("current_model_state", CURRENT_PREFIX), ("state_dict", MODEL_PREFIX)):
+        state = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+        if state or key == "state_dict":
+            checkpoint[key] = state if model is None else _through_hooks(model, state)
     checkpoint["optimizer_states"] = [
         _full_optimizer_state(tensors, optimizer_prefix(i), saved)
         for i, saved in enumerate(checkpoint.get("optimizer_states", []))

@@ -25,6 +25,7 @@ from lightning_shard.checkpoint import sharded
 from lightning_shard.engine.collectives import from_every_rank
 
 STATE_DICT_TYPES = ("sharded", "full")
+CURRENT = "current_model_state"  # Lightning's WeightAveraging key: the weights trained, where state_dict is their average
 
 
 def validate_state_dict_type(value: object) -> str:
@@ -35,10 +36,11 @@ def validate_state_dict_type(value: object) -> str:
 
 @dataclass
 class ShardedSource:
-    """Stands in for the model state of a checkpoint opened from a directory; loading reads from it."""
+    """Stands in for a model state of a checkpoint opened from a directory; loading reads from it."""
 
     directory: Path
     metadata: Metadata
+    prefix: str = sharded.MODEL_PREFIX  # which model state: ``state_dict`` or ``current_model_state``
 
 
 def save_sharded(checkpoint: dict[str, Any], path: Path, group: Optional[dist.ProcessGroup] = None) -> None:
@@ -58,6 +60,8 @@ def _save_sharded(checkpoint: dict[str, Any], path: Path, group: Optional[dist.P
     _all_succeed(lambda: files.begin(path) if rank == 0 else None, group)
 
     items = {sharded.MODEL_PREFIX + k: v for k, v in checkpoint.pop("state_dict").items()}
+    # a weight-averaging callback's layout: the average in state_dict, the weights trained in current_model_state
+    items.update({sharded.CURRENT_PREFIX + k: v for k, v in checkpoint.pop(CURRENT, {}).items()})
     optimizer_meta = []
     for i, state in enumerate(checkpoint.pop("optimizer_states", [])):
         items.update({sharded.optimizer_prefix(i) + k: v for k, v in state["tensors"].items()})
@@ -115,5 +119,8 @@ def open_checkpoint(path: Path, group: Optional[dist.ProcessGroup] = None) -> di
         return files.load_weights(resolved, "checkpoint", mmap=True)
     files.verify_directory(resolved, group)
     checkpoint = files.load_weights(resolved / files.META, "checkpoint metadata")
-    checkpoint["state_dict"] = ShardedSource(resolved, sharded.read_metadata(resolved))
+    metadata = sharded.read_metadata(resolved)
+    checkpoint["state_dict"] = ShardedSource(resolved, metadata)
+    if any(key.startswith(sharded.CURRENT_PREFIX) for key in metadata.state_dict_metadata):
+        checkpoint[CURRENT] = ShardedSource(resolved, metadata, sharded.CURRENT_PREFIX)
     return checkpoint

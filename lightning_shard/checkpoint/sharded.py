@@ -3,6 +3,8 @@
 Each rank offers views of the shards it owns (see ``sharded_tensors``), keyed by parameter name:
 
 * ``state_dict.<name>``: parameters in their own shapes, and buffers;
+* ``current_model_state.<name>``: the weights being trained, where a weight-averaging callback put their average
+  in ``state_dict`` (Lightning's layout, ``ShardedEMA``);
 * ``optimizer_<i>.state.<name>.<key>``: elementwise optimizer states (sharded like their parameter),
   per-parameter scalars such as Adam's ``step``, and the states of whole-parameter optimizers (Muon,
   Adafactor) in their own shapes, written by the parameter's owner rank and read by its owner on load.
@@ -18,7 +20,7 @@ import warnings
 from collections.abc import Iterator, Set as AbstractSet
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -30,10 +32,12 @@ from torch.optim import Optimizer
 
 from lightning_shard.checkpoint.files import CheckpointError, SafeReader
 from lightning_shard.checkpoint.sharded_tensors import sharded_view
+from lightning_shard.engine.averaging import AveragedShards
 from lightning_shard.engine.flat_shard import FlatShard, ParamSlot
 from lightning_shard.engine.hooks import ShardRuntime
 
 MODEL_PREFIX = "state_dict."
+CURRENT_PREFIX = "current_model_state."  # the trained weights, where ``state_dict`` holds their average
 
 
 def optimizer_prefix(index: int) -> str:
@@ -67,19 +71,28 @@ def _buffers(runtime: ShardRuntime) -> dict[str, Tensor]:
 
 
 # -- model ------------------------------------------------------------------------------------------
-def model_state(runtime: ShardRuntime, skip: AbstractSet[str] = frozenset()) -> dict[str, Any]:
+def model_state(runtime: ShardRuntime, skip: AbstractSet[str] = frozenset(),
+                average: Optional[AveragedShards] = None) -> dict[str, Any]:
     """This rank's part of the model state by parameter and buffer name, as DCP items (views, no copies); the
-    parameters named in ``skip`` left out."""
-    runtime.sync_buffers()  # DCP writes a replicated item from any one rank: make them all rank 0's
+    parameters named in ``skip`` left out. ``average``: the state of that average of the model's weights instead."""
     items: dict[str, Any] = {}
     with _quiet():
-        for storage, slot, param in _slots(runtime):
-            if slot.names[0] in skip:
-                continue
-            view = _view(runtime, storage, slot, param.detach())
-            if view is not None:
-                items.update({name: view for name in slot.names})
-    items.update(_buffers(runtime))
+        for i, unit in enumerate(runtime.units):
+            storage = unit.storage
+            for slot, param in zip(storage.slots, storage.shard_params):
+                if slot.names[0] in skip:
+                    continue
+                local = param.detach() if average is None else average.shards[i][slice(*storage.shard_range(slot))]
+                view = _view(runtime, storage, slot, local)
+                if view is not None:
+                    items.update({name: view for name in slot.names})
+    if average is None:
+        runtime.sync_buffers()  # DCP writes a replicated item from any one rank: make them all rank 0's
+        items.update(_buffers(runtime))
+    else:
+        with average.swapped(shards=False):  # its buffers under their state-dict keys (hooks and all), rank 0's
+            runtime.sync_buffers()
+            items.update({k: v.clone() if isinstance(v, Tensor) else v for k, v in _buffers(runtime).items()})
     return items
 
 
@@ -90,9 +103,9 @@ def model_shapes(runtime: ShardRuntime) -> dict[str, torch.Size]:
 
 
 def check_model_matches(metadata: Metadata, runtime: ShardRuntime, where: Path, strict: bool,
-                        absent: AbstractSet[str] = frozenset()) -> None:
+                        absent: AbstractSet[str] = frozenset(), prefix: str = MODEL_PREFIX) -> None:
     """``absent``: parameters the checkpoint was saved without on purpose (``save_frozen=False``)."""
-    saved = {k[len(MODEL_PREFIX):]: md for k, md in metadata.state_dict_metadata.items() if k.startswith(MODEL_PREFIX)}
+    saved = {k[len(prefix):]: md for k, md in metadata.state_dict_metadata.items() if k.startswith(prefix)}
     expected = {k: v for k, v in model_shapes(runtime).items() if k not in absent}
     wrong = [f"{name!r}: checkpoint {tuple(saved[name].size)}, model {tuple(shape)}"
              for name, shape in expected.items()
@@ -114,9 +127,10 @@ def _few(names: list[str], limit: int = 8) -> str:
 
 @torch.no_grad()
 def load_model_state(runtime: ShardRuntime, directory: Path, metadata: Metadata, strict: bool = True,
-                     absent: AbstractSet[str] = frozenset()) -> None:
-    check_model_matches(metadata, runtime, directory, strict, absent)
-    items = {MODEL_PREFIX + k: v for k, v in model_state(runtime).items()}
+                     absent: AbstractSet[str] = frozenset(), prefix: str = MODEL_PREFIX) -> None:
+    """``prefix``: which of the checkpoint's model states (:data:`MODEL_PREFIX`, :data:`CURRENT_PREFIX`)."""
+    check_model_matches(metadata, runtime, directory, strict, absent, prefix)
+    items = {prefix + k: v for k, v in model_state(runtime).items()}
     items = {k: v for k, v in items.items() if k in metadata.state_dict_metadata}
     _load(items, directory)
     runtime.refresh_gathered()

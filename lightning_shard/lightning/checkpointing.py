@@ -26,6 +26,7 @@ from lightning_shard.checkpoint.export import save_pretrained
 from lightning_shard.checkpoint.export_checkpoint import RECORD, describe_pretrained
 from lightning_shard.checkpoint.fingerprint import check_fingerprints, fingerprints, frozen_names
 from lightning_shard.checkpoint.io import ShardedSource, open_checkpoint, save_full, save_sharded
+from lightning_shard.engine.averaging import AveragedShards
 from lightning_shard.engine.hooks import ShardRuntime
 from lightning_shard.lightning.finetuning import readd_finetuning_groups
 
@@ -62,6 +63,14 @@ class CheckpointState:
         if self.state_dict_type == "sharded":
             return sharded.model_state(self.runtime, skip=self._left_out())
         return full_state_dict(self.runtime, rank0_only=True, skip=self._left_out())
+
+    def averaged_state_dict(self, average: AveragedShards) -> dict[str, Any]:
+        """:meth:`lightning_module_state_dict` of an average of the model's weights (``ShardedEMA``)."""
+        assert self.runtime is not None
+        if self.state_dict_type == "sharded":
+            return sharded.model_state(self.runtime, skip=self._left_out(), average=average)
+        with average.swapped():
+            return full_state_dict(self.runtime, rank0_only=True, skip=self._left_out())
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         assert self.runtime is not None
@@ -112,7 +121,8 @@ class CheckpointState:
         left_out = set(record.get("left_out", ()))
         source = checkpoint["state_dict"]
         if isinstance(source, ShardedSource):
-            sharded.load_model_state(self.runtime, source.directory, source.metadata, strict=strict, absent=left_out)
+            sharded.load_model_state(self.runtime, source.directory, source.metadata, strict=strict, absent=left_out,
+                                     prefix=source.prefix)
         else:
             load_full_state_dict(self.runtime, source, strict=strict, absent=left_out)
         if record.get("fingerprints"):

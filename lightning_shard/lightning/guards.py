@@ -40,8 +40,8 @@ def refuse_layer_sync_on_sharded(model: Any) -> None:
 def refuse_weight_averaging(callbacks: list) -> None:
     """Lightning's weight-averaging callbacks (``EMAWeightAveraging``, ``WeightAveraging``,
     ``StochasticWeightAveraging``) copy the LightningModule (before sharding: the whole model on every rank) and
-    average its parameters into the copy, whose shapes the 1-D shards do not match: refused at setup, naming them,
-    rather than a shape error at the first update."""
+    average its parameters into the copy, whose shapes the 1-D shards do not match: refused at setup, naming them
+    and the sharded one, rather than a shape error at the first update."""
     from lightning.pytorch import callbacks as lightning_callbacks
 
     kinds = tuple(getattr(lightning_callbacks, name) for name in ("WeightAveraging", "StochasticWeightAveraging")
@@ -50,5 +50,6 @@ def refuse_weight_averaging(callbacks: list) -> None:
     if averaging:
         raise ValueError(
             f"lightning_shard: {averaging} keep a copy of the whole model and average its parameters, which under"
-            " ShardStrategy are 1-D shards of another shape: not supported yet. Train without it, or average the"
-            " weights from saved checkpoints (python -m lightning_shard.consolidate gives each as one file).")
+            " ShardStrategy are 1-D shards of another shape. For an exponential moving average use"
+            " lightning_shard.ShardedEMA (EMAWeightAveraging's options and checkpoint layout, the average sharded"
+            " like the model); other averages (SWA) are not supported under ShardStrategy.")

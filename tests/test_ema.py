@@ -1,0 +1,162 @@
+"""ShardedEMA against Lightning's EMAWeightAveraging under DDP (2 CPU processes, gloo): the same losses (training on the
+weights trained), validation losses (on the average), final weights (the average) and checkpoints, in both
+checkpoint formats, resumed from the checkpoint saved as a fit ended."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from tests.world import one_rank_here
+
+APP = os.path.join(os.path.dirname(__file__), "ema_app.py")
+pytestmark = pytest.mark.timeout(600)
+TIGHT = {"rtol": 1e-6, "atol": 1e-7}
+
+
+def run_app(tmp_path, *args: str) -> dict:
+    proc = subprocess.run([sys.executable, APP, "--out", str(tmp_path), *args], capture_output=True, text=True,
+                          timeout=500, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return torch.load(tmp_path / "results.pt", weights_only=True)
+
+
+def open_checkpoint(path) -> dict:
+    from lightning_shard import consolidate
+
+    return consolidate(path) if os.path.isdir(path) else torch.load(path, weights_only=True)
+
+
+def assert_states_close(got: dict, want: dict, what: str, **tolerance) -> None:
+    assert got.keys() == want.keys(), what
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, **(tolerance or TIGHT), msg=lambda m: f"{what} {key}: {m}")
+
+
+def assert_matches_lightning_ema(results: dict, name: str, **tolerance) -> None:
+    ddp, run = results["ddp"], results[name]
+    assert len(run["losses"]) == len(ddp["losses"]) == 24
+    torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(ddp["losses"]), **(tolerance or TIGHT))
+    # a sanity check, then one validation per epoch, each on the average
+    assert len(run["val_losses"]) == len(ddp["val_losses"]) == 4
+    torch.testing.assert_close(torch.tensor(run["val_losses"]), torch.tensor(ddp["val_losses"]), **(tolerance or TIGHT))
+    assert_states_close(run["state"], ddp["state"], f"{name} final weights (the average)", **tolerance)
+
+
+def assert_checkpoints_match(results: dict, name: str) -> None:
+    """An epoch's checkpoint inside fit: the average as state_dict, the weights trained as current_model_state, as
+    Lightning's; the last one (saved as fit ended) has the average as state_dict too."""
+    ours, theirs = open_checkpoint(os.path.join(os.path.dirname(results[name]["checkpoint"]), "epoch=1.ckpt")), \
+        torch.load(os.path.join(os.path.dirname(results["ddp"]["checkpoint"]), "epoch=1.ckpt"), weights_only=True)
+    for key in ("state_dict", "current_model_state"):
+        assert_states_close(ours[key], theirs[key], f"{name} epoch=1.ckpt {key}")
+    assert any(not torch.equal(ours["state_dict"][k], v) for k, v in ours["current_model_state"].items())
+    assert int(ours["averaging_state"]["n_averaged"]) == int(theirs["averaging_state"]["n_averaged"]) == 8
+    assert ours["callbacks"]["ShardedEMA"] == {"latest_update_step": 15}
+    assert_states_close(open_checkpoint(results[name]["checkpoint"])["state_dict"],
+                        torch.load(results["ddp"]["checkpoint"], weights_only=True)["state_dict"], f"{name} last.ckpt")
+
+
+def assert_resumes(results: dict, name: str) -> None:
+    """Resumed from the checkpoint the first fit saved as it ended (it holds the weights trained, where Lightning's
+    callback saves the average twice): the same run as without the stop."""
+    run, resumed = results[name], results[f"{name}_resumed"]
+    torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(run["losses"]), rtol=0, atol=0)
+    # [first fit's sanity check and epoch 0] + [the resumed fit's sanity check, epochs 1 and 2]
+    val = resumed["val_losses"][:2] + resumed["val_losses"][3:]
+    torch.testing.assert_close(torch.tensor(val), torch.tensor(run["val_losses"]), rtol=0, atol=0)
+    assert_states_close(resumed["state"], run["state"], f"{name} resumed", rtol=0, atol=0)
+
+
+def test_sharded_ema_matches_lightning_ema_sharded_checkpoints_and_resume(tmp_path):
+    results = run_app(tmp_path, "--sharding", "full", "none", "--resume")
+    for name in ("full", "none"):
+        assert_matches_lightning_ema(results, name)
+        assert_checkpoints_match(results, name)
+        assert_resumes(results, name)
+
+
+def test_sharded_ema_without_buffers_full_checkpoints_and_resume(tmp_path):
+    results = run_app(tmp_path, "--sharding", "grad_op", "--state-dict-type", "full", "--no-buffers", "--resume")
+    assert_matches_lightning_ema(results, "grad_op")
+    assert_checkpoints_match(results, "grad_op")
+    assert_resumes(results, "grad_op")
+
+
+def test_sharded_ema_offloaded_keeps_the_average_on_the_host(tmp_path):
+    # offloaded, AdamW steps fused on the host: its roundings, not foreach's (engine/offload.py)
+    results = run_app(tmp_path, "--sharding", "full", "--offload", "optimizer")
+    assert_matches_lightning_ema(results, "full", rtol=1e-5, atol=2e-6)
+
+
+# -- in one process -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("options, match", [
+    ({"decay": 1.5}, r"`decay` must be a number in \[0, 1\]; got 1.5"),
+    ({"decay": "0.9"}, r"`decay` must be a number"),
+    ({"update_every_n_steps": -1}, r"`update_every_n_steps` must be an integer >= 0; got -1"),
+    ({"update_starting_at_step": 2.5}, r"`update_starting_at_step` must be an integer >= 0 or None; got 2.5"),
+    ({"device": "nowhere"}, r"nowhere"),
+])
+def test_bad_options_are_refused_at_construction(options, match):
+    from lightning_shard import ShardedEMA
+
+    with pytest.raises((ValueError, RuntimeError), match=match):
+        ShardedEMA(**options)
+
+
+def _lit():
+    import lightning as L
+
+    class Lit(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(5, 8), nn.Linear(8, 1))
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch[0]).square().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    return Lit()
+
+
+def _fit(strategy, callback):
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    torch.manual_seed(0)
+    lit = _lit()
+    data = DataLoader(TensorDataset(torch.randn(12, 5, generator=torch.Generator().manual_seed(1))), batch_size=4)
+    # (no sampler put in: ShardStrategy is a parallel strategy, whose training sampler Lightning shuffles)
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=3, logger=False,
+                        callbacks=[callback], use_distributed_sampler=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    with one_rank_here():
+        trainer.fit(lit, data)
+    return lit, trainer
+
+
+def test_under_another_strategy_it_says_which_callback_to_use():
+    from lightning_shard import ShardedEMA
+
+    with pytest.raises(TypeError, match="under SingleDeviceStrategy use Lightning's EMAWeightAveraging"):
+        _fit("auto", ShardedEMA())
+
+
+def test_after_fit_the_model_holds_the_average_and_the_average_is_freed():
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+
+    from lightning_shard import ShardedEMA, ShardStrategy
+
+    ema = ShardedEMA(decay=0.5)
+    ours, _ = _fit(ShardStrategy(), ema)
+    theirs, _ = _fit("auto", EMAWeightAveraging(decay=0.5))
+    assert ema.average is None
+    for (name, got), want in zip(ours.named_parameters(), theirs.parameters()):  # one rank: each shard is whole
+        assert torch.equal(got, want.reshape(-1)), name
