@@ -35,6 +35,7 @@ def report_memory_estimate(strategy: Any, trainer: "pl.Trainer") -> Optional[Mem
     except Exception as err:  # an estimate must never stop training
         rank_zero_warn(f"lightning_shard: no memory estimate ({type(err).__name__}: {err}).")
         return None
+    _add_averages(estimate, runtime, trainer.callbacks, device)
     peak, available = estimate.peak, _device_memory_per_rank(device, local_ranks)
     rank_zero_info(f"lightning_shard: estimated memory per rank before activations: {peak / 2**20:.1f} MiB"
                    f" (python -m lightning_shard.estimate adds them)\n{estimate.table()}")
@@ -51,6 +52,21 @@ def report_memory_estimate(strategy: Any, trainer: "pl.Trainer") -> Optional[Mem
             f" more than the {host / 2**30:.2f} GiB per rank this machine has: expect the host to run out of memory."
         )
     return estimate
+
+
+def _add_averages(estimate: MemoryEstimate, runtime: ShardRuntime, callbacks: list, device: torch.device) -> None:
+    """A ``ShardedEMA`` keeps a copy of this rank's master shards and of the buffers, where it was told to (by default
+    beside each shard: in host memory when offloaded)."""
+    from lightning_shard.lightning.ema import ShardedEMA
+
+    for ema in (c for c in callbacks if isinstance(c, ShardedEMA)):
+        for tensor in [unit.storage.shard for unit in runtime.units] + list(runtime.root.buffers()):
+            where = ema.device or tensor.device
+            nbytes = tensor.numel() * tensor.element_size()
+            if where.type == "cpu" and device.type != "cpu":
+                estimate.host_resident += nbytes
+            else:
+                estimate.average += nbytes
 
 
 def _same_kind(optimizer: Optimizer) -> Callable[[list], Optimizer]:

@@ -79,6 +79,7 @@ class MemoryEstimate:
     # offload, in host memory: master and staging shards and the optimizer state; gradient shards and step scratch
     host_resident: int = 0
     host_step: int = 0
+    average: int = 0  # an average of the weights kept beside the shards on the device (ShardedEMA)
 
     @property
     def host(self) -> int:
@@ -87,7 +88,7 @@ class MemoryEstimate:
     @property
     def peak(self) -> int:
         """On the device (with offload, ``host`` is apart)."""
-        resident = self.params + self.optimizer_state + self.buffers
+        resident = self.params + self.optimizer_state + self.buffers + self.average
         forward = self.activations + self.gathered + self.grads_in_forward
         # backward peaks at its start, with every activation alive: this step's gradient shards come later, as
         # activations go
