@@ -135,7 +135,7 @@ def _fit(strategy, callback):
     data = DataLoader(TensorDataset(torch.randn(12, 5, generator=torch.Generator().manual_seed(1))), batch_size=4)
     # (no sampler put in: ShardStrategy is a parallel strategy, whose training sampler Lightning shuffles)
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=3, logger=False,
-                        callbacks=callback if isinstance(callback, list) else [callback], use_distributed_sampler=False, enable_checkpointing=False, enable_progress_bar=False,
+                        callbacks=[callback], use_distributed_sampler=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)
     with one_rank_here():
         trainer.fit(lit, data)
@@ -147,13 +147,6 @@ def test_under_another_strategy_it_says_which_callback_to_use():
 
     with pytest.raises(TypeError, match="under SingleDeviceStrategy use Lightning's EMAWeightAveraging"):
         _fit("auto", ShardedEMA())
-
-
-def test_two_averages_are_refused():
-    from lightning_shard import ShardedEMA, ShardStrategy
-
-    with pytest.raises(ValueError, match="ShardedEMA: one per Trainer"):  # one checkpoint holds one average
-        _fit(ShardStrategy(), [ShardedEMA(), ShardedEMA(decay=0.5)])
 
 
 def test_after_fit_the_model_holds_the_average_and_the_average_is_freed():

@@ -69,8 +69,6 @@ class ShardedEMA(Callback):
         if not isinstance(trainer.strategy, ShardStrategy):
             raise TypeError(f"ShardedEMA averages the shards of ShardStrategy; under {type(trainer.strategy).__name__}"
                             " use Lightning's EMAWeightAveraging.")
-        if sum(isinstance(c, ShardedEMA) for c in trainer.callbacks) > 1:  # each would save its average as state_dict
-            raise ValueError("ShardedEMA: one per Trainer (a checkpoint holds one average, as its state_dict).")
 
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self.average = AveragedShards(trainer.strategy.runtime, self.decay, self.use_buffers, self.device)
