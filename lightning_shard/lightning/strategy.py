@@ -54,6 +54,7 @@ from lightning_shard.lightning.options import (
 from lightning_shard.lightning.plan_summary import plan_listing, plan_summary
 from lightning_shard.lightning.precision import MixedPrecision, ShardPrecision, validate_mixed_precision
 from lightning_shard.lightning.process_group import ProcessGroupMixin
+from lightning_shard.lightning.summary import summarize_in_full_shapes
 from lightning_shard.memory.estimate import MemoryEstimate
 
 
@@ -286,6 +287,7 @@ class ShardStrategy(ProcessGroupMixin, EvaluationHold, CheckpointState, Parallel
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
             refuse_weight_averaging(trainer.callbacks)
+            summarize_in_full_shapes(trainer.callbacks)
             self.frees_grads_after_step = frees_grads_after_step(trainer, self.free_grads_after_step)
             self.memory_estimate = report_memory_estimate(self, trainer)
 
