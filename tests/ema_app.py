@@ -78,6 +78,7 @@ def main() -> None:
     parser.add_argument("--state-dict-type", default="sharded", choices=["sharded", "full"])
     parser.add_argument("--resume", action="store_true", help="also run 1 epoch, then resume to 3")
     parser.add_argument("--offload", default=None)
+    parser.add_argument("--keep-gathered-in-eval", action="store_true")
     parser.add_argument("--no-buffers", action="store_true", help="use_buffers=False: buffers followed, not averaged")
     args = parser.parse_args()
 
@@ -86,7 +87,7 @@ def main() -> None:
     for sharding in args.sharding:
         def strategy() -> ShardStrategy:
             return ShardStrategy(sharding=sharding, state_dict_type=args.state_dict_type, unit_size=100,
-                                 offload=args.offload)
+                                 offload=args.offload, keep_gathered_in_eval=args.keep_gathered_in_eval)
 
         out = os.path.join(args.out, sharding)
         results[sharding] = run(strategy(), ShardedEMA(**when), 3, out)

@@ -81,16 +81,19 @@ def test_sharded_ema_matches_lightning_ema_sharded_checkpoints_and_resume(tmp_pa
         assert_resumes(results, name)
 
 
-def test_sharded_ema_without_buffers_full_checkpoints_and_resume(tmp_path):
-    results = run_app(tmp_path, "--sharding", "grad_op", "--state-dict-type", "full", "--no-buffers", "--resume")
+def test_sharded_ema_full_checkpoints_units_held_in_validation_and_resume(tmp_path):
+    # keep_gathered_in_eval makes the ranks' buffers rank 0's as validation starts: the average's, swapped in before
+    results = run_app(tmp_path, "--sharding", "grad_op", "--state-dict-type", "full", "--keep-gathered-in-eval",
+                      "--resume")
     assert_matches_lightning_ema(results, "grad_op")
     assert_checkpoints_match(results, "grad_op")
     assert_resumes(results, "grad_op")
 
 
-def test_sharded_ema_offloaded_keeps_the_average_on_the_host(tmp_path):
-    # offloaded, AdamW steps fused on the host: its roundings, not foreach's (engine/offload.py)
-    results = run_app(tmp_path, "--sharding", "full", "--offload", "optimizer")
+def test_sharded_ema_offloaded_without_buffers_averaged(tmp_path):
+    # offloaded, AdamW steps fused on the host: its roundings, not foreach's (engine/offload.py); the average lives
+    # there too. use_buffers=False: the buffers follow the model's
+    results = run_app(tmp_path, "--sharding", "full", "--offload", "optimizer", "--no-buffers")
     assert_matches_lightning_ema(results, "full", rtol=1e-5, atol=2e-6)
 
 
@@ -101,6 +104,7 @@ def test_sharded_ema_offloaded_keeps_the_average_on_the_host(tmp_path):
     ({"update_every_n_steps": -1}, r"`update_every_n_steps` must be an integer >= 0; got -1"),
     ({"update_starting_at_step": 2.5}, r"`update_starting_at_step` must be an integer >= 0 or None; got 2.5"),
     ({"device": "nowhere"}, r"nowhere"),
+    ({"use_buffers": "no"}, r"`use_buffers` must be True or False; got 'no'"),
 ])
 def test_bad_options_are_refused_at_construction(options, match):
     from lightning_shard import ShardedEMA
@@ -126,7 +130,7 @@ def _lit():
     return Lit()
 
 
-def _fit(strategy, callback):
+def _fit(strategy, callback, precision="32-true", checkpoints=None, resume=None):
     import lightning as L
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -134,11 +138,13 @@ def _fit(strategy, callback):
     lit = _lit()
     data = DataLoader(TensorDataset(torch.randn(12, 5, generator=torch.Generator().manual_seed(1))), batch_size=4)
     # (no sampler put in: ShardStrategy is a parallel strategy, whose training sampler Lightning shuffles)
+    saving = [L.pytorch.callbacks.ModelCheckpoint(dirpath=checkpoints, save_last=True)] if checkpoints else []
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=3, logger=False,
-                        callbacks=[callback], use_distributed_sampler=False, enable_checkpointing=False, enable_progress_bar=False,
+                        callbacks=[callback, *saving], use_distributed_sampler=False, enable_checkpointing=bool(saving),
+                        precision=precision, enable_progress_bar=False,
                         enable_model_summary=False)
     with one_rank_here():
-        trainer.fit(lit, data)
+        trainer.fit(lit, data, ckpt_path=resume)
     return lit, trainer
 
 
@@ -162,3 +168,24 @@ def test_after_fit_the_model_holds_the_average_and_the_average_is_freed():
     assert ema.average is None
     for (name, got), want in zip(ours.named_parameters(), theirs.parameters()):  # one rank: each shard is whole
         assert torch.equal(got, want.reshape(-1)), name
+
+
+def test_a_fit_resumed_at_its_end_leaves_the_average_in_the_model(tmp_path):
+    """Resumed from the checkpoint saved as a fit ended, with nothing left to train (a re-queued finished job): no
+    training ends, the fit does, and the model holds the average as after the first fit."""
+    from lightning_shard import ShardedEMA, ShardStrategy
+
+    first, _ = _fit(ShardStrategy(), ShardedEMA(decay=0.5), checkpoints=tmp_path)
+    again, _ = _fit(ShardStrategy(), ShardedEMA(decay=0.5), checkpoints=tmp_path / "again",
+                    resume=tmp_path / "last.ckpt")
+    trained, _ = _fit(ShardStrategy(), ShardedEMA(decay=0.0))  # the weights trained, for contrast
+    for (name, got), want, other in zip(again.named_parameters(), first.parameters(), trained.parameters()):
+        assert torch.equal(got, want), name
+        assert not torch.equal(got, other), name
+
+
+def test_low_precision_master_weights_are_refused_naming_the_precision():
+    from lightning_shard import ShardedEMA, ShardStrategy
+
+    with pytest.raises(ValueError, match=r"master weights are torch.bfloat16 \(precision='bf16-true'"):
+        _fit(ShardStrategy(), ShardedEMA(), precision="bf16-true")

@@ -13,6 +13,7 @@ from typing import Any, Optional, Union
 
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_shard.checkpoint import sharded
@@ -69,8 +70,9 @@ class CheckpointState:
         assert self.runtime is not None
         if self.state_dict_type == "sharded":
             return sharded.model_state(self.runtime, skip=self._left_out(), average=average)
-        with average.swapped():
-            return full_state_dict(self.runtime, rank0_only=True, skip=self._left_out())
+        with average.swapped():  # copied before the swap back: on the CPU the buffers in it are the model's own
+            state = full_state_dict(self.runtime, rank0_only=True, skip=self._left_out())
+            return {k: v.clone() if isinstance(v, Tensor) else v for k, v in state.items()}
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         assert self.runtime is not None

@@ -42,6 +42,8 @@ class ShardedEMA(Callback):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
                 raise ValueError(f"ShardedEMA: `{name}` must be an integer >= {least}"
                                  f"{'' if name == 'update_every_n_steps' else ' or None'}; got {value!r}.")
+        if not isinstance(use_buffers, bool):
+            raise ValueError(f"ShardedEMA: `use_buffers` must be True or False; got {use_buffers!r}.")
         self.decay = float(decay)
         self.update_every_n_steps = update_every_n_steps
         self.update_starting_at_step = update_starting_at_step
@@ -71,7 +73,17 @@ class ShardedEMA(Callback):
                             " use Lightning's EMAWeightAveraging.")
 
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self.average = AveragedShards(trainer.strategy.runtime, self.decay, self.use_buffers, self.device)
+        runtime = trainer.strategy.runtime
+        lower = sorted({str(u.storage.master_dtype) for u in runtime.units
+                        if u.storage.master_dtype.is_floating_point and u.storage.master_dtype.itemsize < 4})
+        if lower:  # Lightning's average copies the module before its precision converts it: fp32
+            raise ValueError(
+                f"ShardedEMA: the master weights are {', '.join(lower)} (precision='bf16-true' or '16-true'), so an"
+                " average kept beside them would be too, where (1 - decay) * weights falls below half a unit in the"
+                " last place and the average barely moves (Lightning's EMAWeightAveraging keeps fp32). Train with"
+                " precision='bf16-mixed' (fp32 masters) to average the weights; an fp32 average of low-precision"
+                " masters is not built yet.")
+        self.average = AveragedShards(runtime, self.decay, self.use_buffers, self.device)
         self._ended = False  # training ended: the model holds the average, and ``average`` the weights trained
 
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
@@ -93,6 +105,12 @@ class ShardedEMA(Callback):
         # swapped, not copied: a checkpoint saved after this (ModelCheckpoint's last, at the end of training) still
         # holds the weights trained, which a fit resumed from it goes on from (Lightning's callback saves the average
         # as both there)
+        self._end()
+
+    def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._end()  # a fit with nothing left to train (resumed at its last step) runs no on_train_end
+
+    def _end(self) -> None:
         if self.average is not None and not self._ended:
             self.average.swap()
             self._ended = True
@@ -101,11 +119,13 @@ class ShardedEMA(Callback):
         if stage == "fit":
             self.average = None  # its memory back: the model holds the average now
 
-    def on_validation_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    # Swapped at the start and end of validation (Lightning's callback: of its epoch), before the strategy's own hooks:
+    # keep_gathered_in_eval gathers the units, and makes the ranks' buffers rank 0's, when validation starts.
+    def on_validation_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self.average is not None:
             self.average.swap()
 
-    def on_validation_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    def on_validation_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self.average is not None:
             self.average.swap()
 
