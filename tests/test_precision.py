@@ -82,3 +82,7 @@ def test_gradients_accumulate_the_same_when_backward_creates_a_graph():
     for name, grad in plain.items():
         assert grad.abs().sum() > 0, name
         torch.testing.assert_close(graphed[name], grad, rtol=0, atol=0, msg=name)
+
+
+def test_batch_norms_compute_in_fp32_units_under_bf16_autocast():
+    assert run_world(scenarios.batch_norm_under_bf16_autocast, 2, timeout=200) == [True, True]

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+import torch
 from torch import nn
 
 UnitSpec = Union[str, type]
@@ -74,6 +75,7 @@ def plan_units(
     units: Optional[Sequence[UnitSpec]] = None,
     unit_size: Optional[int] = None,
     min_unit_size: Optional[int] = None,
+    own_units: tuple[type, ...] = (),
 ) -> list[UnitPlan]:
     """Return the unit plans, innermost first and the root unit last.
 
@@ -85,6 +87,8 @@ def plan_units(
 
     ``min_unit_size``: consecutive sibling units smaller than this are merged, so that each collective moves
     enough to amortise its fixed cost (the hooks and the collective's own latency, per unit and per step).
+    ``own_units``: modules of these classes are each a unit of their own, whatever the policy (see
+    :func:`full_precision_classes`).
     """
     if units is not None and unit_size is not None:
         raise ValueError("Give either `units` (module classes) or `unit_size` (a parameter budget), not both.")
@@ -94,7 +98,18 @@ def plan_units(
         member_groups = [[name] for name in _match_classes(root, units)]
     if min_unit_size is not None:
         member_groups = _merge_small(root, member_groups, min_unit_size, unit_size)
+    if own_units:
+        own = [name for name, module in root.named_modules() if name and isinstance(module, own_units)]
+        member_groups = [kept for kept in ([m for m in group if m not in own] for group in member_groups) if kept]
+        member_groups += [[name] for name in own]
     return _assign_params(root, member_groups)
+
+
+def full_precision_classes(param_dtype: Optional[torch.dtype]) -> tuple[type, ...]:
+    """Under mixed precision, batch norms are units of their own that compute in their parameters' dtype (FSDP1's
+    MixedPrecision leaves them alone too): torch's batch norm takes a low-precision input with fp32 weights and fp32
+    running statistics, as under autocast without sharding, but not bf16 weights beside fp32 statistics."""
+    return (nn.modules.batchnorm._BatchNorm,) if param_dtype is not None else ()
 
 
 def _merge_small(root: nn.Module, groups: list[list[str]], floor: int, cap: Optional[int]) -> list[list[str]]:

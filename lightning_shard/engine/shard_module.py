@@ -27,7 +27,14 @@ from lightning_shard.engine.groups import build_groups, validate_shard_size, val
 from lightning_shard.engine.hooks import ShardRuntime
 from lightning_shard.engine.materialize import Materializer
 from lightning_shard.engine.offload import HostShard, validate_offload
-from lightning_shard.engine.plan import UnitPlan, UnitSpec, plan_units, root_heavy_warning, validate_min_unit_size
+from lightning_shard.engine.plan import (
+    UnitPlan,
+    UnitSpec,
+    full_precision_classes,
+    plan_units,
+    root_heavy_warning,
+    validate_min_unit_size,
+)
 from lightning_shard.engine.unit import Unit
 
 def shard_module(
@@ -89,7 +96,8 @@ def shard_module(
     world = dist.get_world_size(group) if distributed else 1
 
     _refuse_sparse_gradients(module)
-    plans = plan_units(module, units=units, unit_size=unit_size, min_unit_size=min_unit_size)
+    full_precision = full_precision_classes(param_dtype)
+    plans = plan_units(module, units=units, unit_size=unit_size, min_unit_size=min_unit_size, own_units=full_precision)
     if world > 1:
         _check_ranks_agree(plans, group)
     materializer = Materializer(module, device or _first_real_device(module))
@@ -115,15 +123,16 @@ def shard_module(
         plan.params.clear()  # the unit's full tensors go with their last reference
         if world > 1:
             dist.broadcast(flat, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+        is_root = plan.members == [""]
+        members = [module.get_submodule(name) for name in plan.members]
+        computes_in = None if not is_root and all(isinstance(m, full_precision) for m in members) else param_dtype
         if offload is None:
-            storage = FlatShard(slots, flat, groups.shard_rank, groups.shard_size, param_dtype=param_dtype)
+            storage = FlatShard(slots, flat, groups.shard_rank, groups.shard_size, param_dtype=computes_in)
         else:
-            storage = HostShard(slots, flat, groups.shard_rank, groups.shard_size, param_dtype=param_dtype,
+            storage = HostShard(slots, flat, groups.shard_rank, groups.shard_size, param_dtype=computes_in,
                                 keep_on_device=offload == "optimizer")
         del flat
         storage.use_shards()
-        is_root = plan.members == [""]
-        members = [module.get_submodule(name) for name in plan.members]
         unit = Unit(plan.name, members, storage, reshard_after_forward=sharding in ("full", "hybrid") and not is_root)
         built.append(unit)
         if is_root:
