@@ -18,6 +18,7 @@ from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lightning_shard import ShardedEMA, ShardStrategy  # noqa: E402
 from lightning_shard.checkpoint.full import full_state_dict  # noqa: E402
+from tests.world import leave_lightning_app  # noqa: E402
 
 # when the average is updated: from the third optimizer step on, every second one, and at each epoch's end
 WHEN = {"decay": 0.8, "update_every_n_steps": 2, "update_starting_at_step": 2, "update_starting_at_epoch": 1}
@@ -96,11 +97,7 @@ def main() -> None:
             resumed = run(strategy(), ShardedEMA(**when), 3, out + "_resumed", resume=first["checkpoint"])
             results[f"{sharding}_resumed"] = {**resumed, "losses": first["losses"] + resumed["losses"],
                                               "val_losses": first["val_losses"] + resumed["val_losses"]}
-    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
-        torch.save(results, os.path.join(args.out, "results.pt"))
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    leave_lightning_app(results, args.out)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lightning_shard import ShardStrategy  # noqa: E402
 from lightning_shard.checkpoint.full import full_state_dict  # noqa: E402
 from tests.models import TinyGPT  # noqa: E402
+from tests.world import leave_lightning_app  # noqa: E402
 
 
 class LitGPT(L.LightningModule):
@@ -162,13 +163,7 @@ def main() -> None:
             resumed = run(ShardStrategy(sharding=sharding, state_dict_type=args.state_dict_type), args, args.epochs, ckpt_dir + "_resume",
                           resume=os.path.join(ckpt_dir + "_resume", "last.ckpt"))
             results[f"{sharding}_resumed"] = {**resumed, "losses": first["losses"] + resumed["losses"]}
-    if int(os.environ.get("LOCAL_RANK", 0)) == 0 and int(os.environ.get("NODE_RANK", 0)) == 0:
-        torch.save(results, os.path.join(args.out, "results.pt"))
-    # the group Lightning's DDPStrategy created (run first) is left to interpreter shutdown, where gloo's threads
-    # may abort the process ("terminate called without an active exception", seen once on node 1 of the 2-node run)
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    leave_lightning_app(results, args.out)
 
 
 if __name__ == "__main__":

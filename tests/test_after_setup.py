@@ -281,32 +281,3 @@ def test_sync_batchnorm_converts_on_the_first_setup_even_a_validate_before_fit()
         trainer.validate(lit, data)
         # the model is sharded once, so converted then (SyncBatchNorm trains on GPUs only: no fit here)
         assert isinstance(lit.net[1], nn.SyncBatchNorm)
-
-
-@pytest.mark.parametrize("callback", ["EMAWeightAveraging", "StochasticWeightAveraging"])
-def test_weight_averaging_callbacks_are_refused_at_setup_naming_them(callback):
-    """They copy the whole module and average its parameters into the copy: under sharding a shape error at the first
-    update (and the whole model copied on every rank first); refused at setup instead."""
-    import lightning as L
-    from lightning.pytorch import callbacks
-    from torch.utils.data import DataLoader, TensorDataset
-
-    from lightning_shard import ShardStrategy
-
-    class Lit(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = nn.Sequential(nn.Linear(5, 8), nn.Linear(8, 1))
-
-        def training_step(self, batch, batch_idx):
-            return self.net(batch[0]).square().mean()
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    averaging = getattr(callbacks, callback)(**({"swa_lrs": 0.01} if callback.startswith("Stochastic") else {}))
-    trainer = L.Trainer(strategy=ShardStrategy(), accelerator="cpu", devices=1, max_steps=2, logger=False,
-                        callbacks=[averaging], enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False)
-    with one_rank_here(), pytest.raises(ValueError, match=rf"\['{callback}'\] keep a copy of the whole"):
-        trainer.fit(Lit(), DataLoader(TensorDataset(torch.randn(8, 5)), batch_size=4))

@@ -148,6 +148,19 @@ def _fit(strategy, callback, precision="32-true", checkpoints=None, resume=None)
     return lit, trainer
 
 
+@pytest.mark.parametrize("callback", ["EMAWeightAveraging", "StochasticWeightAveraging"])
+def test_lightnings_averaging_callbacks_are_refused_at_setup_naming_them_and_this_one(callback):
+    """They copy the whole module and average its parameters into the copy: under sharding a shape error at the first
+    update (and the whole model copied on every rank first)."""
+    from lightning.pytorch import callbacks
+
+    from lightning_shard import ShardStrategy
+
+    averaging = getattr(callbacks, callback)(**({"swa_lrs": 0.01} if callback.startswith("Stochastic") else {}))
+    with pytest.raises(ValueError, match=rf"\['{callback}'\] keep a copy of the whole model.*use lightning_shard.ShardedEMA"):
+        _fit(ShardStrategy(), averaging)
+
+
 def test_under_another_strategy_it_says_which_callback_to_use():
     from lightning_shard import ShardedEMA
 
