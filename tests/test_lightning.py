@@ -126,8 +126,11 @@ def test_resume_after_a_crash_continues_like_an_uninterrupted_run(tmp_path):
     crashed = tmp_path / "crashed"
     proc = subprocess.run([sys.executable, APP, "--out", str(crashed), "--sharding", "full", "--skip-ddp",
                            "--crash-at-step", "16"], capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0  # rank 1 was killed in epoch 2; rank 0 failed fast instead of hanging
-    assert "CollectiveError" in proc.stderr or "failed after" in proc.stderr, proc.stderr[-3000:]
+    assert proc.returncode != 0  # rank 1 was killed in epoch 2; rank 0 stopped too
+    # rank 0 raises our error on its next collective, unless Lightning's launcher, which polls its children every 5 s,
+    # killed it first (a race CI lost once). A dead peer turning into an error, not a hang, is tests/test_faults.py's
+    stopped = ("CollectiveError", "failed after", "terminated with code -9. Forcefully terminating all other processes")
+    assert any(words in proc.stderr for words in stopped), proc.stderr[-3000:]
     last = crashed / "full" / "last.ckpt"  # written at the end of epoch 1 (step 12)
     resumed = run_app(tmp_path / "resumed", "--sharding", "full", "--skip-ddp", "--resume-from", str(last))
     steps_per_epoch = len(uninterrupted) // 2
