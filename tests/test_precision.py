@@ -84,5 +84,7 @@ def test_gradients_accumulate_the_same_when_backward_creates_a_graph():
         torch.testing.assert_close(graphed[name], grad, rtol=0, atol=0, msg=name)
 
 
-def test_batch_norms_compute_in_fp32_units_under_bf16_autocast():
-    assert run_world(scenarios.batch_norm_under_bf16_autocast, 2, timeout=200) == [True, True]
+@pytest.mark.parametrize("policy", [{"unit_size": 200}, {"units": ["NormBlock"], "activation_checkpointing": True}],
+                         ids=["packed", "checkpointed-blocks"])
+def test_batch_norms_compute_in_fp32_units_under_bf16_autocast(policy):
+    assert run_world(scenarios.batch_norm_under_bf16_autocast, 2, policy, timeout=200) == [True, True]

@@ -48,12 +48,16 @@ def validate_activation_checkpointing(spec: object) -> Union[bool, tuple[UnitSpe
 
 
 def checkpoint_targets(
-    root: nn.Module, unit_members: list[list[nn.Module]], spec: Union[bool, tuple[UnitSpec, ...]]
+    root: nn.Module, unit_members: list[list[nn.Module]], spec: Union[bool, tuple[UnitSpec, ...]],
+    inner: tuple[type, ...] = (),
 ) -> list[tuple[str, nn.Module]]:
-    """The modules to checkpoint, by name; ``unit_members`` are the members of each unit but the root's."""
+    """The modules to checkpoint, by name; ``unit_members`` are the members of each unit but the root's. ``inner``:
+    classes of units that may lie inside a checkpointed module (batch norms in fp32 under mixed precision: a
+    recomputation gathers every unit it reads, see :func:`checkpoint_modules`), not checkpointed on their own."""
     if not spec:
         return []
     names = {id(m): name for name, m in root.named_modules()}
+    unit_members = [members for members in unit_members if not all(isinstance(m, inner) for m in members)]
     if spec is True:
         targets = [m for members in unit_members for m in members]
     else:
@@ -73,11 +77,12 @@ def checkpoint_targets(
 
 def checkpoint_modules(
     root: nn.Module, units: list["Unit"], root_unit: Optional["Unit"], spec: Union[bool, tuple[UnitSpec, ...]],
-    gather: Callable[["Unit"], None],
+    gather: Callable[["Unit"], None], inner: tuple[type, ...] = (),
 ) -> list[Callable[[], None]]:
     """Checkpoint the chosen modules; mark the units they read as needed in backward. Returns undo functions.
-    ``gather``: gathers a unit (a no-op where it is gathered), called as each module's forward runs again."""
-    targets = checkpoint_targets(root, [unit.members for unit in units if unit is not root_unit], spec)
+    ``gather``: gathers a unit (a no-op where it is gathered), called as each module's forward runs again; ``inner``:
+    as :func:`checkpoint_targets`'s."""
+    targets = checkpoint_targets(root, [unit.members for unit in units if unit is not root_unit], spec, inner)
     owners = _owning_units(units)
     undo = []
     for _name, module in targets:

@@ -150,7 +150,8 @@ def shard_module(
     runtime.sync_buffers()  # rank 0's, as DDP starts
     if compile_options is not None:  # inside the checkpoint wrapper, which runs eagerly: it keys inputs by id()
         runtime.undo.extend(compile_units(built, root_unit, compile_options))
-    runtime.undo.extend(checkpoint_modules(module, built, root_unit, activation_checkpointing, runtime.schedule.gather))
+    runtime.undo.extend(checkpoint_modules(module, built, root_unit, activation_checkpointing, runtime.schedule.gather,
+                                           inner=full_precision))
     runtime.install_guards()
     runtime.options = options
     module._shard_runtime = runtime
