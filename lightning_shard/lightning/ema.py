@@ -3,10 +3,11 @@
 Lightning's callback deep-copies the whole LightningModule before the strategy shards it and averages its
 parameters into the copy; this one keeps the average as sharded as the model (engine/averaging.py: 1/N of the
 weights per rank, beside the master shards, on the host when they are offloaded). Everything else is Lightning's:
-the same options and ``should_update``, the average swapped in for validation and copied into the model when
-training ends, and the same checkpoint layout (the average as ``state_dict``, so ``load_from_checkpoint`` and
+the same options and ``should_update``, the average swapped in for validation and into the model when training
+ends, and the same checkpoint layout (the average as ``state_dict``, so ``load_from_checkpoint`` and
 ``python -m lightning_shard.export`` give it; the weights trained as ``current_model_state``, which a resumed fit
-goes on from), in either of the strategy's formats.
+goes on from), in either of the strategy's formats. Swapped, not copied, at the end: a checkpoint written after
+(``ModelCheckpoint``'s last) keeps the weights trained, where Lightning's callback has overwritten them.
 """
 
 from __future__ import annotations
