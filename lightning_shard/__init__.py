@@ -23,8 +23,9 @@ from lightning_shard.lightning.callbacks import SavePretrained
 from lightning_shard.lightning.ema import ShardedEMA
 from lightning_shard.lightning.precision import MixedPrecision
 from lightning_shard.lightning.strategy import ShardStrategy
+from lightning_shard.lightning.weight_averaging import ShardedWeightAveraging
 
 ShardStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["MixedPrecision", "SavePretrained", "ShardStrategy", "ShardedEMA", "consolidate", "load_pretrained",
-           "save_pretrained", "shard_module"]
+__all__ = ["MixedPrecision", "SavePretrained", "ShardStrategy", "ShardedEMA", "ShardedWeightAveraging", "consolidate",
+           "load_pretrained", "save_pretrained", "shard_module"]

@@ -1,6 +1,8 @@
 """A Lightning app run by tests/test_ema.py as a script (Trainer(devices=2) on CPU re-launches it for rank 1): the same
-model trained with Lightning's EMAWeightAveraging under DDP and with ShardedEMA under ShardStrategy, then rank 0
-saves what each run produced (losses, validation losses, final weights, checkpoint paths) for the test to compare."""
+model trained with one of Lightning's weight-averaging callbacks under DDP and with its sharded counterpart under
+ShardStrategy (EMAWeightAveraging and ShardedEMA; WeightAveraging and ShardedWeightAveraging, equal average or a
+multi_avg_fn), then rank 0 saves what each run produced (losses, validation losses, final weights, checkpoint paths)
+for the test to compare."""
 
 from __future__ import annotations
 
@@ -13,15 +15,26 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning as L
-from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint
+from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint, WeightAveraging
+from torch.optim.swa_utils import get_ema_multi_avg_fn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from lightning_shard import ShardedEMA, ShardStrategy  # noqa: E402
+from lightning_shard import ShardedEMA, ShardedWeightAveraging, ShardStrategy  # noqa: E402
 from lightning_shard.checkpoint.full import full_state_dict  # noqa: E402
 from tests.world import leave_lightning_app  # noqa: E402
 
 # when the average is updated: from the third optimizer step on, every second one, and at each epoch's end
 WHEN = {"decay": 0.8, "update_every_n_steps": 2, "update_starting_at_step": 2, "update_starting_at_epoch": 1}
+
+
+def averagings(kind: str, use_buffers: bool) -> tuple:
+    """(Lightning's callback, a factory of ours): ``ema``; ``swa``, the equal average after every step (torch's
+    per-tensor expression on the CPU); ``multi``, a multi_avg_fn (an EMA by ``_foreach_lerp_``) after every step."""
+    if kind == "ema":
+        when = {**WHEN, "use_buffers": use_buffers}
+        return EMAWeightAveraging(**when), lambda: ShardedEMA(**when)
+    options = {"use_buffers": use_buffers, **({"multi_avg_fn": get_ema_multi_avg_fn(0.8)} if kind == "multi" else {})}
+    return WeightAveraging(**options), lambda: ShardedWeightAveraging(**options)
 
 
 class LitEMA(L.LightningModule):
@@ -81,20 +94,21 @@ def main() -> None:
     parser.add_argument("--offload", default=None)
     parser.add_argument("--keep-gathered-in-eval", action="store_true")
     parser.add_argument("--no-buffers", action="store_true", help="use_buffers=False: buffers followed, not averaged")
+    parser.add_argument("--average", default="ema", choices=["ema", "swa", "multi"])
     args = parser.parse_args()
 
-    when = {**WHEN, "use_buffers": not args.no_buffers}
-    results = {"ddp": run("ddp", EMAWeightAveraging(**when), 3, os.path.join(args.out, "ddp"))}
+    lightnings, ours = averagings(args.average, use_buffers=not args.no_buffers)
+    results = {"ddp": run("ddp", lightnings, 3, os.path.join(args.out, "ddp"))}
     for sharding in args.sharding:
         def strategy() -> ShardStrategy:
             return ShardStrategy(sharding=sharding, state_dict_type=args.state_dict_type, unit_size=100,
                                  offload=args.offload, keep_gathered_in_eval=args.keep_gathered_in_eval)
 
         out = os.path.join(args.out, sharding)
-        results[sharding] = run(strategy(), ShardedEMA(**when), 3, out)
+        results[sharding] = run(strategy(), ours(), 3, out)
         if args.resume:  # from the checkpoint saved as the first fit ended
-            first = run(strategy(), ShardedEMA(**when), 1, out + "_first")
-            resumed = run(strategy(), ShardedEMA(**when), 3, out + "_resumed", resume=first["checkpoint"])
+            first = run(strategy(), ours(), 1, out + "_first")
+            resumed = run(strategy(), ours(), 3, out + "_resumed", resume=first["checkpoint"])
             results[f"{sharding}_resumed"] = {**resumed, "losses": first["losses"] + resumed["losses"],
                                               "val_losses": first["val_losses"] + resumed["val_losses"]}
     leave_lightning_app(results, args.out)

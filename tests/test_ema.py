@@ -1,6 +1,6 @@
-"""ShardedEMA against Lightning's EMAWeightAveraging under DDP (2 CPU processes, gloo): the same losses (training on the
-weights trained), validation losses (on the average), final weights (the average) and checkpoints, in both
-checkpoint formats, resumed from the checkpoint saved as a fit ended."""
+"""ShardedEMA and ShardedWeightAveraging against Lightning's EMAWeightAveraging and WeightAveraging under DDP (2 CPU
+processes, gloo): the same losses (training on the weights trained), validation losses (on the average), final
+weights (the average) and checkpoints, in both checkpoint formats, resumed from the checkpoint saved as a fit ended."""
 
 from __future__ import annotations
 
@@ -48,16 +48,18 @@ def assert_matches_lightning_ema(results: dict, name: str, **tolerance) -> None:
     assert_states_close(run["state"], ddp["state"], f"{name} final weights (the average)", **tolerance)
 
 
-def assert_checkpoints_match(results: dict, name: str) -> None:
+def assert_checkpoints_match(results: dict, name: str, callback: str = "ShardedEMA", averaged: int = 8,
+                             updated_at: int = 15) -> None:
     """An epoch's checkpoint inside fit: the average as state_dict, the weights trained as current_model_state, as
-    Lightning's; the last one (saved as fit ended) has the average as state_dict too."""
+    Lightning's; the last one (saved as fit ended) has the average as state_dict too. ``averaged``: the updates by the
+    end of epoch 1 (of 16 steps), the last of them after step ``updated_at``."""
     ours, theirs = open_checkpoint(os.path.join(os.path.dirname(results[name]["checkpoint"]), "epoch=1.ckpt")), \
         torch.load(os.path.join(os.path.dirname(results["ddp"]["checkpoint"]), "epoch=1.ckpt"), weights_only=True)
     for key in ("state_dict", "current_model_state"):
         assert_states_close(ours[key], theirs[key], f"{name} epoch=1.ckpt {key}")
     assert any(not torch.equal(ours["state_dict"][k], v) for k, v in ours["current_model_state"].items())
-    assert int(ours["averaging_state"]["n_averaged"]) == int(theirs["averaging_state"]["n_averaged"]) == 8
-    assert ours["callbacks"]["ShardedEMA"] == {"latest_update_step": 15}
+    assert int(ours["averaging_state"]["n_averaged"]) == int(theirs["averaging_state"]["n_averaged"]) == averaged
+    assert ours["callbacks"][callback] == {"latest_update_step": updated_at}
     assert_states_close(open_checkpoint(results[name]["checkpoint"])["state_dict"],
                         torch.load(results["ddp"]["checkpoint"], weights_only=True)["state_dict"], f"{name} last.ckpt")
 
@@ -97,6 +99,22 @@ def test_sharded_ema_offloaded_without_buffers_averaged(tmp_path):
     assert_matches_lightning_ema(results, "full", rtol=1e-5, atol=2e-6)
 
 
+def test_sharded_weight_averaging_matches_lightnings_equal_average_sharded_checkpoints_and_resume(tmp_path):
+    """SWA: the equal average of the weights after every step (torch's per-tensor expression on the CPU)."""
+    results = run_app(tmp_path, "--average", "swa", "--sharding", "full", "--resume")
+    assert_matches_lightning_ema(results, "full")
+    assert_checkpoints_match(results, "full", "ShardedWeightAveraging", averaged=16, updated_at=16)
+    assert_resumes(results, "full")
+
+
+def test_sharded_weight_averaging_with_a_multi_avg_fn_matches_lightnings(tmp_path):
+    """A multi_avg_fn (torch's EMA by _foreach_lerp_ over each group of one device and dtype), the buffers followed."""
+    results = run_app(tmp_path, "--average", "multi", "--sharding", "grad_op", "--state-dict-type", "full",
+                      "--no-buffers")
+    assert_matches_lightning_ema(results, "grad_op")
+    assert_checkpoints_match(results, "grad_op", "ShardedWeightAveraging", averaged=16, updated_at=16)
+
+
 # -- in one process -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("options, match", [
     ({"decay": 1.5}, r"`decay` must be a number in \[0, 1\]; got 1.5"),
@@ -111,6 +129,18 @@ def test_bad_options_are_refused_at_construction(options, match):
 
     with pytest.raises((ValueError, RuntimeError), match=match):
         ShardedEMA(**options)
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"avg_fn": "ema"}, r"`avg_fn` must be a function or None; got 'ema'"),
+    ({"multi_avg_fn": 0.9}, r"`multi_avg_fn` must be a function or None; got 0.9"),
+    ({"use_buffers": 1}, r"`use_buffers` must be True or False; got 1"),
+])
+def test_bad_weight_averaging_options_are_refused_at_construction(options, match):
+    from lightning_shard import ShardedWeightAveraging
+
+    with pytest.raises(ValueError, match=rf"ShardedWeightAveraging: {match}"):
+        ShardedWeightAveraging(**options)
 
 
 def _lit():
@@ -148,8 +178,9 @@ def _fit(strategy, callback, precision="32-true", checkpoints=None, resume=None)
     return lit, trainer
 
 
-@pytest.mark.parametrize("callback", ["EMAWeightAveraging", "StochasticWeightAveraging"])
-def test_lightnings_averaging_callbacks_are_refused_at_setup_naming_them_and_this_one(callback):
+@pytest.mark.parametrize("callback, ours", [("EMAWeightAveraging", "ShardedEMA"),
+                                            ("StochasticWeightAveraging", "ShardedWeightAveraging")])
+def test_lightnings_averaging_callbacks_are_refused_at_setup_naming_them_and_ours(callback, ours):
     """They copy the whole module and average its parameters into the copy: under sharding a shape error at the first
     update (and the whole model copied on every rank first)."""
     from lightning.pytorch import callbacks
@@ -157,15 +188,18 @@ def test_lightnings_averaging_callbacks_are_refused_at_setup_naming_them_and_thi
     from lightning_shard import ShardStrategy
 
     averaging = getattr(callbacks, callback)(**({"swa_lrs": 0.01} if callback.startswith("Stochastic") else {}))
-    with pytest.raises(ValueError, match=rf"\['{callback}'\] keep a copy of the whole model.*use lightning_shard.ShardedEMA"):
+    with pytest.raises(ValueError, match=rf"\['{callback}'\] keep a copy of the whole model.*lightning_shard.{ours} for"
+                                         rf"[^.]*{callback}"):
         _fit(ShardStrategy(), averaging)
 
 
 def test_under_another_strategy_it_says_which_callback_to_use():
-    from lightning_shard import ShardedEMA
+    from lightning_shard import ShardedEMA, ShardedWeightAveraging
 
     with pytest.raises(TypeError, match="under SingleDeviceStrategy use Lightning's EMAWeightAveraging"):
         _fit("auto", ShardedEMA())
+    with pytest.raises(TypeError, match="under SingleDeviceStrategy use Lightning's WeightAveraging"):
+        _fit("auto", ShardedWeightAveraging())
 
 
 def test_after_fit_the_model_holds_the_average_and_the_average_is_freed():
@@ -181,6 +215,23 @@ def test_after_fit_the_model_holds_the_average_and_the_average_is_freed():
     assert ema.average is None
     for (name, got), want in zip(ours.named_parameters(), theirs.parameters()):  # one rank: each shard is whole
         assert torch.equal(got, want.reshape(-1)), name
+
+
+def test_an_avg_fn_per_tensor_gives_lightnings_average():
+    """``avg_fn`` alone is called per tensor (here per flat shard) with the count of updates before, as a tensor."""
+    from lightning.pytorch.callbacks import EMAWeightAveraging, WeightAveraging
+
+    from lightning_shard import ShardedWeightAveraging, ShardStrategy
+
+    def avg_fn(average, current, n_averaged):
+        return average + (current - average) * (0.3 + 0.1 * n_averaged)
+
+    ours, _ = _fit(ShardStrategy(), ShardedWeightAveraging(avg_fn=avg_fn))
+    theirs, _ = _fit("auto", WeightAveraging(avg_fn=avg_fn))
+    trained, _ = _fit("auto", EMAWeightAveraging(decay=0.0))  # the weights trained, for contrast
+    for (name, got), want, other in zip(ours.named_parameters(), theirs.parameters(), trained.parameters()):
+        assert torch.equal(got, want.reshape(-1)), name
+        assert not torch.equal(want, other), name
 
 
 def test_a_fit_resumed_at_its_end_leaves_the_average_in_the_model(tmp_path):

@@ -4,7 +4,7 @@ Each rank offers views of the shards it owns (see ``sharded_tensors``), keyed by
 
 * ``state_dict.<name>``: parameters in their own shapes, and buffers;
 * ``current_model_state.<name>``: the weights being trained, where a weight-averaging callback put their average
-  in ``state_dict`` (Lightning's layout, ``ShardedEMA``);
+  in ``state_dict`` (Lightning's layout, ``ShardedWeightAveraging``);
 * ``optimizer_<i>.state.<name>.<key>``: elementwise optimizer states (sharded like their parameter),
   per-parameter scalars such as Adam's ``step``, and the states of whole-parameter optimizers (Muon,
   Adafactor) in their own shapes, written by the parameter's owner rank and read by its owner on load.

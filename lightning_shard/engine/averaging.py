@@ -1,31 +1,81 @@
-"""An exponential moving average of a sharded model's weights, as sharded as the model: one flat tensor per unit laid
-out as its master shard (1/N of the parameters per rank), and a copy of each buffer.
+"""An average of a sharded model's weights, as sharded as the model: one flat tensor per unit laid out as its master
+shard (1/N of the parameters per rank), and a copy of each buffer.
 
-The update is elementwise, so a flat shard gives what each whole parameter would: ``decay * average + (1 - decay) *
-current``, the expression of torch's ``get_ema_avg_fn`` evaluated as it is (two products rounded, then their sum),
-with the first update a copy, as ``AveragedModel`` does. That makes the average Lightning's ``EMAWeightAveraging``'s
-under DDP, to the bit.
+Every average torch's ``AveragedModel`` computes is elementwise, so a flat shard gives what each whole parameter
+would. The first update is a copy; the later ones are ``AveragedModel.update_parameters``'s, function for function:
+the user's ``avg_fn`` per tensor or ``multi_avg_fn`` per group of one device and dtype, else the equal average
+(SWA: ``_foreach_lerp_`` where torch has foreach kernels, its per-tensor expression elsewhere). ``ema_update`` is
+torch's ``get_ema_avg_fn`` evaluated in place (two products rounded, then their sum: the same numbers without its
+three temporaries). So the average is Lightning's ``WeightAveraging``'s under DDP, to the bit.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 from torch import Tensor
+from torch.optim.swa_utils import get_swa_avg_fn, get_swa_multi_avg_fn
+from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
 
 from lightning_shard.engine.hooks import ShardRuntime
 
 
+# averages the current tensors into the averages in place, given the updates before this one (at least one)
+AverageUpdate = Callable[[list[Tensor], list[Tensor], int], None]
+
+
+def ema_update(decay: float) -> AverageUpdate:
+    """``decay * average + (1 - decay) * current``: torch's ``get_ema_avg_fn``, in place."""
+    keep, take = decay, 1 - decay
+
+    def update(averages: list[Tensor], currents: list[Tensor], _n_averaged: int) -> None:
+        for average, current in zip(averages, currents):
+            # average.mul_(keep).add_(current, alpha=take) would fuse the multiply-add: other roundings
+            taken = current * take
+            if average.is_floating_point():
+                average.mul_(keep).add_(taken)
+            else:  # an integer buffer (a batch count): the float expression, truncated as copy_ truncates it
+                average.copy_(average * keep + taken)
+    return update
+
+
+def averaged_model_update(avg_fn: Optional[Callable] = None, multi_avg_fn: Optional[Callable] = None) -> AverageUpdate:
+    """What ``AveragedModel(avg_fn=, multi_avg_fn=).update_parameters`` does after its first update."""
+
+    def update(averages: list[Tensor], currents: list[Tensor], n_averaged: int) -> None:
+        if avg_fn is not None and multi_avg_fn is None:
+            for average, current in zip(averages, currents):
+                average.copy_(avg_fn(average, current, torch.tensor(n_averaged, device=average.device)))
+            return
+        groups: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], list[Tensor]]] = {}
+        for average, current in zip(averages, currents):
+            group = groups.setdefault((average.device, average.dtype), ([], []))
+            group[0].append(average)
+            group[1].append(current)
+        for (device, _), (group_averages, group_currents) in groups.items():
+            count = torch.tensor(n_averaged, device=device)
+            if multi_avg_fn is not None:
+                multi_avg_fn(group_averages, group_currents, count)
+            elif device.type in _get_foreach_kernels_supported_devices():
+                get_swa_multi_avg_fn()(group_averages, group_currents, count)
+            else:
+                swa = get_swa_avg_fn()
+                for average, current in zip(group_averages, group_currents):
+                    average.copy_(swa(average, current, count))
+    return update
+
+
 class AveragedShards:
-    def __init__(self, runtime: ShardRuntime, decay: float, use_buffers: bool = True,
+    def __init__(self, runtime: ShardRuntime, update: AverageUpdate, use_buffers: bool = True,
                  device: Optional[Union[str, torch.device]] = None) -> None:
-        """``use_buffers``: average the buffers too (else they follow the model's, copied at each update);
+        """``update``: how an update after the first averages the model in (``ema_update``, ``averaged_model_update``);
+        ``use_buffers``: average the buffers too (else they follow the model's, copied at each update);
         ``device``: where the average lives (by default beside each master shard: on the host when offloaded)."""
         self.runtime = runtime
-        self.decay = decay
+        self._update = update
         self.use_buffers = use_buffers
         self.n_averaged = 0  # updates so far; the first one copies
         with torch.no_grad():
@@ -50,14 +100,9 @@ class AveragedShards:
         if self.n_averaged == 0:
             self.copy_from_model()
         else:
-            keep, take = self.decay, 1 - self.decay
-            for average, current in self._pairs(buffers=self.use_buffers):
-                # average.mul_(keep).add_(current, alpha=take) would fuse the multiply-add: other roundings
-                taken = current.to(average.device) * take
-                if average.is_floating_point():
-                    average.mul_(keep).add_(taken)
-                else:  # an integer buffer (a batch count): the float expression, truncated as copy_ truncates it
-                    average.copy_(average * keep + taken)
+            pairs = list(self._pairs(buffers=self.use_buffers))
+            self._update([average for average, _ in pairs],
+                         [current.to(average.device) for average, current in pairs], self.n_averaged)
             if not self.use_buffers:
                 for average, current in self._pairs(shards=False):
                     average.copy_(current)

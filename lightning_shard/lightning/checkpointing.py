@@ -66,7 +66,7 @@ class CheckpointState:
         return full_state_dict(self.runtime, rank0_only=True, skip=self._left_out())
 
     def averaged_state_dict(self, average: AveragedShards) -> dict[str, Any]:
-        """:meth:`lightning_module_state_dict` of an average of the model's weights (``ShardedEMA``)."""
+        """:meth:`lightning_module_state_dict` of an average of the model's weights (``ShardedWeightAveraging``)."""
         assert self.runtime is not None
         if self.state_dict_type == "sharded":
             return sharded.model_state(self.runtime, skip=self._left_out(), average=average)

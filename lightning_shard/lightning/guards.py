@@ -41,7 +41,7 @@ def refuse_weight_averaging(callbacks: list) -> None:
     """Lightning's weight-averaging callbacks (``EMAWeightAveraging``, ``WeightAveraging``,
     ``StochasticWeightAveraging``) copy the LightningModule (before sharding: the whole model on every rank) and
     average its parameters into the copy, whose shapes the 1-D shards do not match: refused at setup, naming them
-    and the sharded one, rather than a shape error at the first update."""
+    and the sharded ones, rather than a shape error at the first update."""
     from lightning.pytorch import callbacks as lightning_callbacks
 
     kinds = tuple(getattr(lightning_callbacks, name) for name in ("WeightAveraging", "StochasticWeightAveraging")
@@ -50,6 +50,7 @@ def refuse_weight_averaging(callbacks: list) -> None:
     if averaging:
         raise ValueError(
             f"lightning_shard: {averaging} keep a copy of the whole model and average its parameters, which under"
-            " ShardStrategy are 1-D shards of another shape. For an exponential moving average use"
-            " lightning_shard.ShardedEMA (EMAWeightAveraging's options and checkpoint layout, the average sharded"
-            " like the model); other averages (SWA) are not supported under ShardStrategy.")
+            " ShardStrategy are 1-D shards of another shape. Use lightning_shard.ShardedEMA for EMAWeightAveraging,"
+            " and lightning_shard.ShardedWeightAveraging for WeightAveraging or StochasticWeightAveraging (the equal"
+            " average by default, or your avg_fn / multi_avg_fn): Lightning's options and checkpoint layout, the"
+            " average sharded like the model.")

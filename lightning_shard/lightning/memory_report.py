@@ -55,13 +55,13 @@ def report_memory_estimate(strategy: Any, trainer: "pl.Trainer") -> Optional[Mem
 
 
 def _add_averages(estimate: MemoryEstimate, runtime: ShardRuntime, callbacks: list, device: torch.device) -> None:
-    """A ``ShardedEMA`` keeps a copy of this rank's master shards and of the buffers, where it was told to (by default
+    """A ``ShardedWeightAveraging`` (``ShardedEMA``) keeps a copy of this rank's master shards and of the buffers, where it was told to (by default
     beside each shard: in host memory when offloaded)."""
-    from lightning_shard.lightning.ema import ShardedEMA
+    from lightning_shard.lightning.weight_averaging import ShardedWeightAveraging
 
-    for ema in (c for c in callbacks if isinstance(c, ShardedEMA)):
+    for averaging in (c for c in callbacks if isinstance(c, ShardedWeightAveraging)):
         for tensor in [unit.storage.shard for unit in runtime.units] + list(runtime.root.buffers()):
-            where = ema.device or tensor.device
+            where = averaging.device or tensor.device
             nbytes = tensor.numel() * tensor.element_size()
             if where.type == "cpu" and device.type != "cpu":
                 estimate.host_resident += nbytes

@@ -79,7 +79,7 @@ class MemoryEstimate:
     # offload, in host memory: master and staging shards and the optimizer state; gradient shards and step scratch
     host_resident: int = 0
     host_step: int = 0
-    average: int = 0  # an average of the weights kept beside the shards on the device (ShardedEMA)
+    average: int = 0  # an average of the weights kept beside the shards on the device (ShardedWeightAveraging)
 
     @property
     def host(self) -> int:
