@@ -2,7 +2,9 @@
 
 import pytest
 import torch
+from torch import nn
 
+from lightning_shard.memory.estimate import estimate_memory
 from tests import memory_scenarios
 from tests.world import run_world
 
@@ -63,3 +65,11 @@ def test_gradients_freed_after_the_step_lower_a_lightning_step_peak():
     kept, freed = (run_world(memory_scenarios.through_lightning, 2, "bf16-mixed", 1, free, 8)[0]
                    for free in (False, True))
     assert kept["measured"] - freed["measured"] > 0.6 * kept["estimate"]["grads"], (kept, freed)
+
+
+def test_batch_norms_are_units_of_their_own_under_mixed_precision_as_the_strategy_plans_them():
+    """Under a param_dtype a batch norm is a unit of its own (sharded, computing in fp32), not part of the root unit
+    (gathered all step): the estimate's parameters are the master shards alone, 1/2 of each unit per rank."""
+    model = nn.Sequential(nn.Linear(8, 2000), nn.BatchNorm1d(2000), nn.Linear(2000, 8))
+    shards = (8 * 2000 + 2000) // 2 + 2 * 2000 // 2 + (2000 * 8 + 8) // 2
+    assert estimate_memory(model, 2, units=["Linear"], param_dtype=torch.bfloat16).params == shards * 4

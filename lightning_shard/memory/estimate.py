@@ -56,7 +56,7 @@ from lightning_shard.engine.fused_default import FusedWhereUnchosen, fused_by_de
 from lightning_shard.engine.groups import validate_shard_size, validate_sharding
 from lightning_shard.engine.offload import host_step_fused, validate_offload
 from lightning_shard.engine.optimizer_step import DEFAULT_STEP_GROUP_NUMEL
-from lightning_shard.engine.plan import UnitSpec, plan_units
+from lightning_shard.engine.plan import UnitSpec, full_precision_classes, plan_units
 from lightning_shard.memory.tracker import LiveBytes
 
 MiB = 2**20
@@ -155,7 +155,9 @@ def estimate_memory(
     spec = validate_activation_checkpointing(activation_checkpointing)
     if not isinstance(accumulate_grad_batches, int) or accumulate_grad_batches < 1:
         raise ValueError(f"estimate_memory: `accumulate_grad_batches` must be an int >= 1, got {accumulate_grad_batches!r}.")
-    plans = plan_units(model, units=units, unit_size=unit_size, min_unit_size=min_unit_size)
+    # batch norms are units of their own under mixed precision, as shard_module plans them
+    plans = plan_units(model, units=units, unit_size=unit_size, min_unit_size=min_unit_size,
+                       own_units=full_precision_classes(param_dtype))
     master = master_dtype or next((p.dtype for p in model.parameters()), torch.float32)
     param_dtype = param_dtype or master
     ranks = {"none": 1, "hybrid": shard_size}.get(sharding, world_size)
