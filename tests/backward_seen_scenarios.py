@@ -9,6 +9,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import lightning as L
 import torch
 from torch import Tensor, nn
 
@@ -118,6 +119,31 @@ class KeepsAux(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         self.aux = self.aux_head(x.detach()).pow(2).mean()  # a graph of its own
         return self.lin(x)
+
+
+class AuxFromOutput(nn.Module):
+    """A unit that keeps a loss computed from its own output, for its caller to add."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.aux_head = nn.Linear(8, 8), nn.Linear(8, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.lin(x)
+        self.aux = self.aux_head(out).pow(2).mean()
+        return out
+
+
+class KeepsAuxOfOutput(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(AuxFromOutput(), AuxFromOutput())
+
+    def training_step(self, batch, batch_idx):
+        return self.blocks(batch[0]).square().mean() + sum(block.aux for block in self.blocks)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
 def unseen_gradients_refused(rank: int, world: int, case: str) -> str:

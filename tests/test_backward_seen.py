@@ -4,6 +4,7 @@ them, or an error before the optimizer steps without them."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests import backward_seen_scenarios as scenarios
 from tests.world import run_world
@@ -45,3 +46,22 @@ def test_each_backward_of_several_in_one_step_frees_units_as_it_goes():
 def test_a_penalty_backpropagated_on_its_own_recomputes_checkpointed_units_gathered(case):
     for mode in ("full", "grad_op", "none"):
         assert run_world(scenarios.separate_backwards, 2, mode, case, 2, True, timeout=200) == [True, True], mode
+
+
+def test_an_auxiliary_loss_kept_on_a_freed_unit_fails_with_an_explanation():
+    """A unit keeping a loss computed from its output (``self.aux = head(out)``), which its caller adds: that term's
+    backward reads the unit's weights before the hook on its outputs gathers it again. Torch's words (a storage of size
+    0) come with ours. One rank in bf16-mixed frees the unit's bf16 copy after forward, as ``full`` does at any world."""
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_shard import ShardStrategy
+    from tests.world import one_rank_here
+
+    trainer = L.Trainer(strategy=ShardStrategy(units=["AuxFromOutput"]), accelerator="cpu", devices=1, max_steps=1,
+                        precision="bf16-mixed", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    data = DataLoader(TensorDataset(torch.randn(4, 8)), batch_size=4)
+    with one_rank_here(), pytest.raises(RuntimeError, match="backward read the parameters of a unit freed after its"
+                                                           " forward.*Return that tensor from the unit's forward"):
+        trainer.fit(scenarios.KeepsAuxOfOutput(), data)

@@ -114,3 +114,16 @@ def refuse_unseen_gradients(units: list[Unit], reducer: GradientReducer, when: s
             " in forward, backpropagated on its own): return such a tensor from forward, or add it to a loss"
             " that also goes through the model's output; or the last backward before an optimizer step ran"
             " inside no_sync(): run it outside.")
+
+
+def explain_freed_parameters(err: RuntimeError) -> None:
+    """A backward that read a unit's parameters after the unit was freed gets torch's words for a storage of size 0.
+    Say how that happens, and what to do (README, Limits)."""
+    if "storage of size 0" in str(err):
+        raise RuntimeError(
+            "lightning_shard: backward read the parameters of a unit freed after its forward. A tensor computed inside"
+            " the unit reached the loss without passing through the unit's outputs (an auxiliary loss kept on the"
+            " module, `self.aux = head(out)`), so its backward ran before the hook on the unit's outputs gathered the"
+            " unit again. Return that tensor from the unit's forward (as HF models return router logits), or train"
+            " with sharding='grad_op'.") from err
+

@@ -29,6 +29,8 @@ from torch import Tensor, nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.optim import Optimizer
 
+from lightning_shard.engine.backward_watch import explain_freed_parameters
+
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
 
 
@@ -119,6 +121,14 @@ class ShardPrecision(Precision):
         if self.scaler is not None:
             tensor = self.scaler.scale(tensor)
         return super().pre_backward(tensor, module)
+
+    def backward(self, tensor: Tensor, model: "pl.LightningModule", optimizer: Optional[Optimizable], *args: Any,
+                 **kwargs: Any) -> None:
+        try:
+            super().backward(tensor, model, optimizer, *args, **kwargs)
+        except RuntimeError as err:
+            explain_freed_parameters(err)
+            raise
 
     def optimizer_step(  # type: ignore[override]
         self, optimizer: Optimizable, model: "pl.LightningModule", closure: Callable[[], Any], **kwargs: Any
