@@ -253,3 +253,25 @@ def test_low_precision_master_weights_are_refused_naming_the_precision():
 
     with pytest.raises(ValueError, match=r"master weights are torch.bfloat16 \(precision='bf16-true'"):
         _fit(ShardStrategy(), ShardedEMA(), precision="bf16-true")
+
+
+def test_after_fit_a_checkpoint_evaluated_on_the_same_trainer_gives_its_average(tmp_path):
+    """``trainer.validate/test/predict(ckpt_path=...)`` after fit evaluate the checkpoint's ``state_dict``, its average,
+    as a fresh Trainer does (validate here) (Lightning's callback keeps its average after fit and loads the checkpoint's weights
+    trained into the module there: a difference on purpose, README)."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_shard import ShardedEMA, ShardStrategy
+
+    lit, trainer = _fit(ShardStrategy(state_dict_type="full"), ShardedEMA(decay=0.5), checkpoints=tmp_path)
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=True)
+    with torch.no_grad():
+        for param in lit.parameters():
+            param.add_(1.0)  # anything but the checkpoint's
+    data = DataLoader(TensorDataset(torch.randn(4, 5)), batch_size=4)
+    lit.validation_step = lambda batch, batch_idx: None
+    with one_rank_here():
+        trainer.validate(lit, data, ckpt_path=tmp_path / "last.ckpt")
+    assert any(not torch.equal(saved["state_dict"][k], v) for k, v in saved["current_model_state"].items())
+    for name, param in lit.named_parameters():  # one rank: each shard is whole
+        assert torch.equal(param, saved["state_dict"][name].reshape(-1)), name
