@@ -253,6 +253,24 @@ if __name__ == "__main__":
 
 
 # -- habits of real fine-tuning setups: a classification head saved whole, ties, other adapter settings ----------
+def copies_from_a_base(rank: int, world: int, base: str) -> float:
+    """A LoRA with ``modules_to_save`` (peft trains a copy of the head) built before the base is loaded, as on the meta
+    device: loading the base folder fills the copy too, as peft's wrapping of a loaded model copies it. The largest
+    logit difference from the base model (the adapter starts as a no-op)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(1)  # another init than the base's
+    model = get_peft_model(LlamaForCausalLM(llama_config(tied=False)), LoraConfig(
+        r=4, target_modules=["q_proj"], modules_to_save=["lm_head"], lora_dropout=0.0))
+    shard_module(model)
+    assert load_pretrained(model, base) == ([], [])  # strict: every weight of the model found, the copy's too
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reference = LlamaForCausalLM.from_pretrained(base)
+    return float((_logits(model) - _logits(reference)).abs().max())
+
+
 def edges(rank: int, world: int, base: str, work: str) -> dict:
     """A sequence-classification LoRA (peft saves the head whole: ``modules_to_save``) exported as adapter and
     merged; a merge into a tied weight and a mismatched adapter refused on every rank; a module holding two models."""

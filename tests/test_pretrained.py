@@ -118,6 +118,11 @@ def test_a_classifier_lora_two_ties_and_other_adapter_settings(base, tmp_path):
         assert "was trained with other settings than the model's: lora_alpha: folder 8, model 32" in r["other lora_alpha"]
 
 
+def test_a_base_folder_fills_the_copies_of_modules_peft_saves_whole(tmp_path):
+    scenarios.write_base(str(tmp_path / "untied"), tied=False)
+    assert max(run_world(scenarios.copies_from_a_base, 2, str(tmp_path / "untied"), timeout=300)) <= 1e-6
+
+
 def test_export_folders_keep_what_lies_beside_the_weights_and_refuse_the_rest(tmp_path):
     from torch import nn
 

@@ -87,14 +87,23 @@ def adapter_file_name(peft_name: str, adapter: str) -> str:
     return ".".join(kept)
 
 
+def copied_name(peft_name: str, adapters: list[str]) -> Optional[str]:
+    """An adapter's copy of a module peft saves whole (``modules_to_save``): the base model's name of the weight it
+    copies (``...score.modules_to_save.default.weight`` -> ``...score.weight``); None for any other name."""
+    parts = peft_name.split(".")
+    if "modules_to_save" not in parts:
+        return None
+    i = parts.index("modules_to_save")
+    return base_name(".".join(parts[:i] + parts[i + 2:])) if parts[i + 1: i + 2] and parts[i + 1] in adapters else None
+
+
 def merged_name(peft_name: str, adapter: str) -> Optional[str]:
     """A peft model's weight in the base model it merges into: the base weight's name, the trained copy of a module
     peft saves whole (``modules_to_save``) in place of the original; None for what merging consumes (the adapter's
     own weights) or drops (the original of a module saved whole, another adapter's copy)."""
     parts = peft_name.split(".")
     if "modules_to_save" in parts:
-        i = parts.index("modules_to_save")
-        return base_name(".".join(parts[:i] + parts[i + 2:])) if parts[i + 1: i + 2] == [adapter] else None
+        return copied_name(peft_name, [adapter])
     if "original_module" in parts:
         return None
     return None if adapter in parts else base_name(peft_name)

@@ -88,14 +88,14 @@ def _model_names(module: nn.Module, prefix: str, names: list[str], in_model: set
         if adapter not in adapters:
             raise CheckpointError(f"load_pretrained: the peft model has no adapter {adapter!r} (it has {adapters}).")
         to_file = lambda rel: hf.adapter_file_name(rel, adapter) if hf.is_adapter_weight(rel, [adapter]) else None
-    else:
-        to_file = lambda rel: None if hf.is_adapter_weight(rel, adapters) else hf.base_name(rel)
-    by_file = {}
+    else:  # the base's weights, and the adapters' copies of the modules peft saves whole (peft copies the original)
+        to_file = lambda rel: hf.copied_name(rel, adapters) if hf.is_adapter_weight(rel, adapters) else hf.base_name(rel)
+    by_file: dict[str, list[str]] = {}
     for name in sorted(in_model):
         if name.startswith(prefix) and (file_name := to_file(name[len(prefix):])) is not None:
-            by_file.setdefault(file_name, name)
-    renamed = {by_file.get(name, prefix + name): name for name in names}
-    mapped = set(by_file.values())
+            by_file.setdefault(file_name, []).append(name)
+    renamed = {ours: name for name in names for ours in by_file.get(name, [prefix + name])}
+    mapped = {ours for ours_all in by_file.values() for ours in ours_all}
     return renamed, lambda name: name not in mapped
 
 
