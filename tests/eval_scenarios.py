@@ -65,3 +65,37 @@ def generate_different_lengths(rank: int, world: int) -> dict:
     expected = train(ddp, models.TinyGPT.loss, batches[3:], rank, world)
     report["losses_after"] = (losses, expected)
     return report
+
+
+class Holder(torch.nn.Module):
+    """A model held by another module, as a LightningModule holds ``self.model``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = models.TinyGPT()
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(idx)
+
+
+def called_below_the_root(rank: int, world: int) -> dict:
+    """The held model called directly (``holder.model(...)``, as a callback's ``self.model.generate``) instead of
+    through the root, outside any step: training steps against DDP, then greedy decoding against one process."""
+    g = torch.Generator().manual_seed(7)
+    batches = [models.TinyGPT.batch(g, 12) for _ in range(3)]
+    torch.manual_seed(0)
+    reference = models.TinyGPT()
+    holder = Holder()
+    holder.model.load_state_dict(reference.state_dict())
+    ddp = DDP(reference)
+    runtime = shard_module(holder, units=["Block"])
+    report: dict = {"losses": (train(holder.model, models.TinyGPT.loss, batches, rank, world, runtime=runtime),
+                               train(ddp, models.TinyGPT.loss, batches, rank, world))}
+    prompt = batches[0][rank * 2 : rank * 2 + 2, :3]
+    tokens, logits = greedy(holder.model, prompt, 3)
+    expected_tokens, expected_logits = greedy(reference, prompt, 3)
+    report["tokens_equal"] = torch.equal(tokens, expected_tokens)
+    report["logits_close"] = torch.allclose(logits, expected_logits, rtol=1e-5, atol=1e-6)
+    report["freed"] = all(not unit.is_gathered for unit in runtime.units if not unit.storage.aliases_shard)
+    return report
+

@@ -37,6 +37,7 @@ from lightning_shard.engine.backward_watch import refuse_unseen_gradients, watch
 from lightning_shard.engine.collectives import CommStats
 from lightning_shard.engine.compile import run_eagerly
 from lightning_shard.engine.elision import BackwardElision
+from lightning_shard.engine.entries import ModelEntries
 from lightning_shard.engine.gather import GatherSchedule
 from lightning_shard.engine.groups import ShardGroups
 from lightning_shard.engine.guards import ModuleGuards
@@ -51,7 +52,7 @@ from lightning_shard.engine.unit import Unit
 CHECK_STREAMS = "LIGHTNING_SHARD_CHECK_STREAMS"
 
 
-class ShardRuntime(HeldUnits, RuntimeOptimizers, RuntimeNorms, ModuleGuards):
+class ShardRuntime(HeldUnits, ModelEntries, RuntimeOptimizers, RuntimeNorms, ModuleGuards):
     def __init__(
         self,
         root: nn.Module,
@@ -248,11 +249,7 @@ class ShardRuntime(HeldUnits, RuntimeOptimizers, RuntimeNorms, ModuleGuards):
                         eager(lambda m, a, k, out, u=unit: self._post_forward(u, m, out)), with_kwargs=True))
         if self.root_unit is not None:
             self._watch_parameters(self.root_unit)
-            # the root unit's own modules get their inputs in param_dtype too
-            owners = {id(module): module for slot in self.root_unit.storage.slots for module, _ in slot.locations}
-            for owner in owners.values():
-                self._handles.append(owner.register_forward_pre_hook(
-                    eager(lambda m, a, k, u=self.root_unit: self._root_module_pre_forward(u, a, k)), with_kwargs=True))
+            self._install_root_unit_hooks(eager)
         self._handles.append(self.root.register_forward_pre_hook(
             eager(lambda m, a: self._enter_step(step=not self._steps_driven))))
         self._handles.append(self.root.register_forward_hook(eager(lambda m, a, out: self._exit_step(out)),
@@ -274,13 +271,6 @@ class ShardRuntime(HeldUnits, RuntimeOptimizers, RuntimeNorms, ModuleGuards):
         the agreement that ends each backward."""
         if unit.storage.sync_requires_grad() and unit.parameters_watched:
             self._watch_parameters(unit)
-
-    def _root_module_pre_forward(self, unit: Unit, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
-        self._follow_requires_grad(unit)
-        if not needs_cast(unit):
-            return None
-        flat, rebuild = flatten_arguments(args, kwargs)
-        return rebuild(cast_floating(flat, unit.storage.param_dtype))
 
     def remove_hooks(self) -> None:
         for handle in self._handles:
