@@ -80,7 +80,8 @@ class Holder(torch.nn.Module):
 
 def called_below_the_root(rank: int, world: int) -> dict:
     """The held model called directly (``holder.model(...)``, as a callback's ``self.model.generate``) instead of
-    through the root, outside any step: training steps against DDP, then greedy decoding against one process."""
+    through the root, outside any step: training steps against DDP, one of them after a backward that raised half-way
+    (caught), then greedy decoding against one process."""
     g = torch.Generator().manual_seed(7)
     batches = [models.TinyGPT.batch(g, 12) for _ in range(3)]
     torch.manual_seed(0)
@@ -89,8 +90,18 @@ def called_below_the_root(rank: int, world: int) -> dict:
     holder.model.load_state_dict(reference.state_dict())
     ddp = DDP(reference)
     runtime = shard_module(holder, units=["Block"])
-    report: dict = {"losses": (train(holder.model, models.TinyGPT.loss, batches, rank, world, runtime=runtime),
-                               train(ddp, models.TinyGPT.loss, batches, rank, world))}
+    optimizers = torch.optim.AdamW(holder.model.parameters(), lr=1e-2), torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    report: dict = {"losses": ([], [])}
+    for step, batch in enumerate(batches):
+        local = batch.chunk(world)[rank]
+        if step == 1:  # dropped, and the next call recovers from it, as a call of the root does
+            report["raised"] = _failed_backward(holder.model, local)
+        for model, optimizer, losses in zip((holder.model, ddp), optimizers, report["losses"]):
+            loss = models.TinyGPT.loss(model, local, step)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
     prompt = batches[0][rank * 2 : rank * 2 + 2, :3]
     tokens, logits = greedy(holder.model, prompt, 3)
     expected_tokens, expected_logits = greedy(reference, prompt, 3)
@@ -98,4 +109,22 @@ def called_below_the_root(rank: int, world: int) -> dict:
     report["logits_close"] = torch.allclose(logits, expected_logits, rtol=1e-5, atol=1e-6)
     report["freed"] = all(not unit.is_gathered for unit in runtime.units if not unit.storage.aliases_shard)
     return report
+
+
+def _failed_backward(model: torch.nn.Module, batch: torch.Tensor) -> bool:
+    """A backward that raises half-way (a caught error): its final callback never runs."""
+    def fail(_grad):
+        raise RuntimeError("a failure in backward")
+
+    def fail_in_backward(_module, _args, out):
+        out.register_hook(fail)
+
+    hook = model.blocks[1].register_forward_hook(fail_in_backward)
+    try:
+        models.TinyGPT.loss(model, batch, 0).backward()
+    except RuntimeError as error:
+        return "a failure in backward" in str(error)
+    finally:
+        hook.remove()
+    return False
 

@@ -29,6 +29,7 @@ def test_a_model_called_below_the_root_outside_any_step_trains_and_generates():
     """A call entering below the root (the root unit's own modules, or a module above them: ``self.model`` of a
     LightningModule) gathers the root unit for itself, as a call of the root does."""
     for report in run_world(eval_scenarios.called_below_the_root, 2, timeout=240):
+        assert report["raised"]  # and recovered from, as a call of the root does
         losses, expected = report["losses"]
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=1e-6)
         assert report["tokens_equal"] and report["logits_close"] and report["freed"], report

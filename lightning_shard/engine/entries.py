@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional
 
 from torch import nn
 
-from lightning_shard.engine.arguments import cast_floating, flatten_arguments, needs_cast
+from lightning_shard.engine.arguments import cast_floating, flatten_arguments, in_backward, needs_cast
 from lightning_shard.engine.unit import Unit
 
 
@@ -50,7 +50,9 @@ class ModelEntries:
                                                               always_call=True))
 
     def _enter_below_root(self) -> None:
-        opens = self._depth == 0 and not self._final_callback_queued
+        # outside a step, and not a recomputation inside backward (a backward that raised left its flag: the scope
+        # opened here recovers from it, as a call of the root does)
+        opens = self._depth == 0 and (not self._final_callback_queued or not in_backward())
         self._entries.append(opens)  # first: an error entering still pops it as the call ends
         if opens:
             self._enter_step(step=not self._steps_driven)
