@@ -126,4 +126,3 @@ def explain_freed_parameters(err: RuntimeError) -> None:
             " module, `self.aux = head(out)`), so its backward ran before the hook on the unit's outputs gathered the"
             " unit again. Return that tensor from the unit's forward (as HF models return router logits), or train"
             " with sharding='grad_op'.") from err
-

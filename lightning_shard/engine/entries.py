@@ -58,7 +58,8 @@ class ModelEntries:
             self._enter_step(step=not self._steps_driven)
 
     def _exit_below_root(self, output: Any) -> None:
-        if self._entries.pop():
+        # (empty where a hook of the user's that runs before ours raised: the call never reached our pre-hook)
+        if self._entries and self._entries.pop():
             self._exit_step(output)
 
     def _root_module_pre_forward(self, unit: Unit, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
