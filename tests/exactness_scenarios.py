@@ -14,9 +14,9 @@ from lightning_shard.checkpoint.full import full_state_dict
 from lightning_shard.engine.shard_module import shard_module
 
 
-def in_modes(rank: int, world: int, scenario: str, modes: list[str]) -> list:
+def in_modes(rank: int, world: int, scenario, modes: list[str]) -> list:
     """One world for several shardings of a scenario: a world's start costs more than most scenarios."""
-    return [globals()[scenario](rank, world, mode) for mode in modes]
+    return [scenario(rank, world, mode) for mode in modes]
 
 
 def assert_matches(runtime, reference: nn.Module, tag: str) -> None:
@@ -211,40 +211,6 @@ def sparse_saved_tensor(rank: int, world: int):
     return model.a.weight.grad is not None
 
 
-class MyAdamW(torch.optim.AdamW):
-    """A user's own optimizer: its class decides its kind, not its base, so it must be declared."""
-
-
-def optimizer_refused(rank: int, world: int, optimizer: str, declare: str = ""):
-    """An optimizer neither known nor declared is refused at setup, naming it and how to declare it; a refused
-    one (LBFGS) says why; known and declared ones train."""
-    import lightning as L
-
-    from lightning_shard import ShardStrategy
-
-    cls = MyAdamW if optimizer == "MyAdamW" else getattr(torch.optim, optimizer)
-
-    class Module(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
-
-        def training_step(self, batch, _):
-            return self.net(batch).sum()
-
-        def configure_optimizers(self):
-            return cls(self.parameters(), lr=1e-3)
-
-    strategy = ShardStrategy(**({f"{declare}_optimizers": [cls]} if declare else {}))
-    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    try:
-        trainer.fit(Module(), torch.utils.data.DataLoader(torch.randn(8, 4), batch_size=2))
-    except ValueError as err:
-        return str(err)
-    return "trained"
-
-
 class Twice(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -316,56 +282,6 @@ def aux_on_some_ranks(rank: int, world: int):
     x = torch.randn(4, 8)
     x[:, 0] = x[:, 0].abs() + 0.5 if rank == 0 else -x[:, 0].abs() - 0.5
     model(x).backward()
-
-
-class Finetuned(nn.Module):
-    """A backbone of two units and a head, frozen and unfrozen between steps as fine-tuning callbacks do."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.backbone = nn.Sequential(*(nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(2)))
-        self.head = nn.Linear(6, 1)
-
-    def forward(self, x):
-        return self.head(self.backbone(x))
-
-
-def freeze_unfreeze(rank: int, world: int, mode: str, steps: int = 6):
-    """Backbone frozen at setup and unfrozen at step 2 with a param group of its own (BackboneFinetuning's
-    way), the head frozen at step 4, one backbone layer frozen again at step 5: one process on the global
-    batch is the reference."""
-    g = torch.Generator().manual_seed(11)
-    batches = [(torch.randn(3 * world, 6, generator=g), torch.randn(3 * world, 1, generator=g)) for _ in range(steps)]
-    torch.manual_seed(0)
-    reference = Finetuned()
-    reference.backbone.requires_grad_(False)
-    sharded = copy.deepcopy(reference)
-    runtime = shard_module(sharded, sharding=mode, units=["Sequential"])
-    for model, chunk in ((reference, slice(None)), (sharded, slice(3 * rank, 3 * rank + 3))):
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
-        for step, (x, y) in enumerate(batches):
-            if step == 2:
-                model.backbone.requires_grad_(True)
-                opt.add_param_group({"params": list(model.backbone.parameters()), "lr": 3e-3})
-            if step == 4:
-                model.head.requires_grad_(False)
-            if step == 5:
-                model.backbone[0].requires_grad_(False)
-            nn.functional.mse_loss(model(x[chunk]), y[chunk]).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    assert_matches(runtime, reference, mode)
-    return [name for name, p in sharded.named_parameters() if p.requires_grad]
-
-
-def freeze_on_one_rank(rank: int, world: int):
-    """A rank that freezes a layer the others train: an error naming the cause on every rank."""
-    model = Finetuned()
-    shard_module(model, sharding="grad_op", units=["Sequential"])
-    model(torch.randn(2, 6)).sum().backward()
-    if rank == 1:
-        model.head.requires_grad_(False)
-    model(torch.randn(2, 6)).sum().backward()
 
 
 def gradient_norms(rank: int, world: int):
@@ -451,64 +367,6 @@ def buffers_like_ddp(rank: int, world: int, steps: int = 4):
     return sorted(live)
 
 
-class Gan(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.generator = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 4))
-        self.discriminator = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-
-
-def _toggle(active: torch.optim.Optimizer, everything: list[torch.optim.Optimizer]) -> dict:
-    """Lightning's ``toggle_optimizer``: every optimizer's parameters frozen but the active one's."""
-    state = {p: p.requires_grad for opt in everything for group in opt.param_groups for p in group["params"]}
-    for p in state:
-        p.requires_grad_(False)
-    for group in active.param_groups:
-        for p in group["params"]:
-            p.requires_grad_(state[p])
-    return state
-
-
-def gan_toggling_inside_the_step(rank: int, world: int, mode: str, steps: int = 3):
-    """A manual-optimization GAN step (as Lightning's docs write it): ``toggle_optimizer`` freezes the other
-    network *inside* the step, so the generator's loss gives the discriminator no gradient. Each rank runs its
-    chunk inside ``run_step`` (the strategy's step); the reference runs every chunk in one process and averages."""
-    g = torch.Generator().manual_seed(4)
-    batches = [(torch.randn(2 * world, 3, generator=g), torch.randn(2 * world, 4, generator=g)) for _ in range(steps)]
-    torch.manual_seed(0)
-    reference = Gan()
-    sharded = copy.deepcopy(reference)
-    runtime = shard_module(sharded, sharding=mode, units=["Sequential"])
-
-    def step(model, z, real, opts, scale):
-        opt_g, opt_d = opts
-        state = _toggle(opt_g, opts)
-        fake = model.generator(z)
-        (-model.discriminator(fake).mean() * scale).backward()
-        for p, flag in state.items():  # untoggle
-            p.requires_grad_(flag)
-        state = _toggle(opt_d, opts)
-        d_loss = model.discriminator(fake.detach()).mean() - model.discriminator(real).mean()
-        (d_loss * scale).backward()
-        for p, flag in state.items():
-            p.requires_grad_(flag)
-
-    for model in (reference, sharded):
-        opts = [torch.optim.SGD(model.generator.parameters(), lr=0.1),
-                torch.optim.SGD(model.discriminator.parameters(), lr=0.1)]
-        for z, real in batches:
-            if model is reference:  # each rank's chunk, averaged as the reduction does
-                for r in range(world):
-                    step(model, z.chunk(world)[r], real.chunk(world)[r], opts, 1 / world)
-            else:
-                runtime.run_step(step, model, z.chunk(world)[rank], real.chunk(world)[rank], opts, 1.0)
-            for opt in opts:
-                opt.step()
-                opt.zero_grad()
-    assert_matches(runtime, reference, mode)
-    return True
-
-
 def side_forward_on_rank_0(rank: int, world: int):
     """``if self.global_rank == 0: self(x)`` (a sample in a callback, outside the steps) with ``sharding="none"``,
     which gathers nothing: it must run no collective (DDP's plain module forward does not), or rank 0 would hang
@@ -526,10 +384,3 @@ def side_forward_on_rank_0(rank: int, world: int):
                 model(torch.randn(3, 6))
     runtime.run_step(train, torch.randn(4, 6))
     return runtime.stats.agreements > 0
-
-
-def optimizer_refusals(rank: int, world: int) -> list[str]:
-    """``optimizer_refused``'s cases in one world: an unknown class, LBFGS, the class declared either way, Adafactor."""
-    return [optimizer_refused(rank, world, "MyAdamW"), optimizer_refused(rank, world, "LBFGS"),
-            optimizer_refused(rank, world, "MyAdamW", "elementwise"), optimizer_refused(rank, world, "MyAdamW", "matrix"),
-            optimizer_refused(rank, world, "Adafactor")]

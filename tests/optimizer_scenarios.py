@@ -1,5 +1,6 @@
-"""Scenarios for test_matrix_optimizers.py, run inside a gloo world: optimizers whose update reads whole
-parameters (Muon, Adafactor, a LAMB written here) against DDP with the same optimizer on full tensors."""
+"""Optimizer scenarios, run inside a gloo world: optimizers whose update reads whole parameters (Muon, Adafactor, a
+LAMB written here) against DDP with the same optimizer on full tensors (test_matrix_optimizers.py), and optimizers
+refused at setup, naming why (test_exactness.py)."""
 
 from __future__ import annotations
 
@@ -259,3 +260,44 @@ def mixed_precision(rank: int, world: int) -> dict:
             "gathered_dtypes": sorted({str(u.storage.gathered.dtype) for u in runtime.units}),
             "state_dtypes": sorted({str(v.dtype) for opt in opts for s in opt.state.values() for k, v in s.items()
                                     if isinstance(v, torch.Tensor) and k != "step"})}
+
+
+class MyAdamW(torch.optim.AdamW):
+    """A user's own optimizer: its class decides its kind, not its base, so it must be declared."""
+
+
+def optimizer_refused(rank: int, world: int, optimizer: str, declare: str = ""):
+    """An optimizer neither known nor declared is refused at setup, naming it and how to declare it; a refused
+    one (LBFGS) says why; known and declared ones train."""
+    import lightning as L
+
+    from lightning_shard import ShardStrategy
+
+    cls = MyAdamW if optimizer == "MyAdamW" else getattr(torch.optim, optimizer)
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+
+        def training_step(self, batch, _):
+            return self.net(batch).sum()
+
+        def configure_optimizers(self):
+            return cls(self.parameters(), lr=1e-3)
+
+    strategy = ShardStrategy(**({f"{declare}_optimizers": [cls]} if declare else {}))
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    try:
+        trainer.fit(Module(), torch.utils.data.DataLoader(torch.randn(8, 4), batch_size=2))
+    except ValueError as err:
+        return str(err)
+    return "trained"
+
+
+def optimizer_refusals(rank: int, world: int) -> list[str]:
+    """``optimizer_refused``'s cases in one world: an unknown class, LBFGS, the class declared either way, Adafactor."""
+    return [optimizer_refused(rank, world, "MyAdamW"), optimizer_refused(rank, world, "LBFGS"),
+            optimizer_refused(rank, world, "MyAdamW", "elementwise"), optimizer_refused(rank, world, "MyAdamW", "matrix"),
+            optimizer_refused(rank, world, "Adafactor")]

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tests import exactness_scenarios as scenarios
+from tests import optimizer_scenarios, trainable_scenarios
 from tests.world import run_world
 
 pytestmark = pytest.mark.timeout(600)
@@ -35,7 +36,8 @@ def test_sparse_saved_tensors_with_elision():
 
 def test_unknown_optimizers_are_refused_naming_how_to_declare_them():
     # one world for the five cases (a world's start costs more than a case)
-    message, lbfgs, elementwise, matrix, adafactor = run_world(scenarios.optimizer_refusals, 1, timeout=200)[0]
+    refusals = run_world(optimizer_scenarios.optimizer_refusals, 1, timeout=200)[0]
+    message, lbfgs, elementwise, matrix, adafactor = refusals
     assert "MyAdamW is not known to lightning_shard" in message
     assert "elementwise_optimizers=[MyAdamW]" in message and "matrix_optimizers=[MyAdamW]" in message
     assert "torch.optim.LBFGS cannot be sharded: it re-evaluates the loss" in lbfgs
@@ -71,13 +73,14 @@ def test_a_units_backward_on_some_ranks_only_is_an_error_not_a_silent_swap():
 
 
 def test_freezing_and_unfreezing_between_steps_trains_like_one_process():
-    trainable = run_world(scenarios.in_modes, 2, "freeze_unfreeze", ["full", "grad_op"], timeout=300)[0]
+    trainable = run_world(scenarios.in_modes, 2, trainable_scenarios.freeze_unfreeze, ["full", "grad_op"],
+                          timeout=300)[0]
     assert trainable == [["backbone.1.0.weight", "backbone.1.0.bias"]] * 2
 
 
 def test_ranks_that_freeze_different_parameters_are_told():
     with pytest.raises(AssertionError) as failure:
-        run_world(scenarios.freeze_on_one_rank, 2, timeout=200)
+        run_world(trainable_scenarios.freeze_on_one_rank, 2, timeout=200)
     assert str(failure.value).count("ranks train different parameters") == 2
 
 
@@ -92,7 +95,7 @@ def test_buffers_are_broadcast_like_ddp_and_saved_once():
 
 
 def test_toggle_optimizer_inside_a_step_trains_like_one_process():
-    assert run_world(scenarios.in_modes, 2, "gan_toggling_inside_the_step", ["full", "grad_op"],
+    assert run_world(scenarios.in_modes, 2, trainable_scenarios.gan_toggling_inside_the_step, ["full", "grad_op"],
                      timeout=300) == [[True, True]] * 2
 
 
