@@ -1,6 +1,7 @@
 """Sharded checkpoints: exact round trips across world sizes and unit policies, consolidation, and clear
 errors for checkpoints that are incomplete, damaged or of another model."""
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -135,6 +136,40 @@ def test_a_kill_between_the_two_renames_still_finds_a_complete_checkpoint(tmp_pa
     os.rename(path, files.previous_path(path))  # first rename done, second never happened
     assert files.resolve(path) == files.previous_path(path)
     run_world(scenarios.load_then_continue, 1, "odd", {}, str(path))
+
+
+def test_a_save_stopped_while_it_moves_the_new_checkpoint_in_leaves_one_where_lightning_looks(tmp_path, monkeypatch):
+    """On Linux the new checkpoint directory takes the old one's place in one step (``renameat2``'s exchange): there
+    is no moment without ``last.ckpt``, which is all Lightning's ``ckpt_path="last"`` looks for (with two renames, a
+    stop between them left ``last.ckpt.partial`` and ``last.ckpt.previous``: "no last checkpoint", and a fresh run)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_shard.checkpoint import files
+
+    if getattr(files._libc(), "renameat2", None) is None:
+        pytest.skip("no renameat2 here: two renames, which an explicit path still resolves (test above)")
+    renames, rename = [], os.rename
+
+    class Stopped(BaseException):  # a kill, as far as the save can tell
+        pass
+
+    def stopped_at_the_second(source, target):
+        renames.append(source)
+        if len(renames) == 2:
+            raise Stopped
+        rename(source, target)
+
+    path = tmp_path / "last.ckpt"
+    for content in ("old", "new"):
+        partial = files.begin(path)
+        (partial / files.MANIFEST).write_text(content)
+        renames.clear()
+        monkeypatch.setattr(files.os, "rename", stopped_at_the_second)
+        with contextlib.suppress(Stopped):
+            files.commit(partial, path)
+        monkeypatch.undo()
+    assert (path / files.MANIFEST).read_text() == "new" and sorted(os.listdir(tmp_path)) == ["last.ckpt"]
+    assert ModelCheckpoint(dirpath=tmp_path)._find_last_checkpoints(None) == {str(path)}
 
 
 @pytest.mark.parametrize("suffix", [".safetensors", ".pt"])

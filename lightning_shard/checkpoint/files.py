@@ -9,6 +9,9 @@ verified before loading.
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import functools
 import json
 import os
 import pickle
@@ -71,15 +74,44 @@ def finish(path: Path, files: dict[str, dict[str, int]], world_size: int) -> Non
 
 
 def commit(source: Path, path: Path) -> None:
-    """Put ``source`` at ``path``. A directory cannot be swapped atomically, so an existing checkpoint is
-    first moved aside; a kill between the two renames leaves both complete copies, and ``resolve`` finds them."""
-    previous = previous_path(path)
-    if path.exists() or path.is_symlink():
+    """Put ``source`` at ``path``. An existing checkpoint is swapped with it in one step where the system can
+    (Linux's ``renameat2`` with ``RENAME_EXCHANGE``: ``path`` is never missing, so Lightning's ``ckpt_path="last"``
+    finds it whenever the run stops), then removed. Elsewhere it is first moved aside: a kill between the two
+    renames leaves both complete copies, and ``resolve`` finds them for an explicit path."""
+    if (path.exists() or path.is_symlink()) and _exchange(source, path):
+        _remove(source)  # now the earlier checkpoint: a leftover of a kill here is discarded by the next save
+    else:
+        previous = previous_path(path)
+        if path.exists() or path.is_symlink():
+            _remove(previous)
+            os.rename(path, previous)
+        os.rename(source, path)
         _remove(previous)
-        os.rename(path, previous)
-    os.rename(source, path)
-    _remove(previous)
     _fsync_dir(path.parent)
+
+
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically; False where the system or the file system cannot."""
+    renameat2 = getattr(_libc(), "renameat2", None)
+    if renameat2 is None:
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM):  # unsupported here: rename instead
+        return False
+    raise OSError(code, os.strerror(code), str(a), None, str(b))
+
+
+@functools.lru_cache(maxsize=1)
+def _libc() -> Any:
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except (OSError, TypeError):  # (Windows: no process-wide library to open)
+        return None
 
 
 def _remove(path: Path) -> None:
@@ -180,7 +212,7 @@ def _rank_world(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
 
 
 def _raise_if_any(problems: list[str], where: Path, group: Optional[dist.ProcessGroup]) -> None:
-    problems = sorted(p for rank_problems in from_every_rank(problems, group) for p in rank_problems)
+    problems = sorted({p for rank_problems in from_every_rank(problems, group) for p in rank_problems})
     if problems:
         raise CheckpointError(f"Checkpoint {str(where)!r} is damaged: " + "; ".join(problems))
 
