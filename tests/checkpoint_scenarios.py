@@ -16,6 +16,7 @@ from lightning_shard.checkpoint.io import open_checkpoint, save_sharded
 from lightning_shard.checkpoint.full import full_optimizer_state_dict, full_state_dict
 from tests import models
 from tests.engine_scenarios import param_groups
+from tests.world import as_lightning_rank
 
 MODELS = {"gpt": models.TinyGPT, "odd": models.Odd}
 
@@ -119,3 +120,56 @@ def load_pretrained_file(rank, world, path, policy):
     model_cls, model, runtime, opt = _build("gpt", 99, policy)
     result = load_pretrained(model, path)
     return {"model": full_state_dict(runtime, rank0_only=False), "result": result}
+
+
+def resumes_that_cannot_restore_the_optimizers(rank, world, directory):
+    """A weights-only checkpoint (``ModelCheckpoint(save_weights_only=True)``) and one saved with another number of
+    optimizers, resumed: Lightning's own error for the first, ours for the second; what each said."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_shard import ShardStrategy
+
+    as_lightning_rank(rank, world)
+
+    class Module(L.LightningModule):
+        def __init__(self, optimizers: int = 1) -> None:
+            super().__init__()
+            self.net, self.optimizer_count = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)), optimizers
+            self.automatic_optimization = optimizers == 1
+
+        def training_step(self, batch, _):
+            loss = self.net(batch).pow(2).mean()
+            if not self.automatic_optimization:
+                self.manual_backward(loss)
+                for optimizer in self.optimizers():
+                    optimizer.step()
+                    optimizer.zero_grad()
+            return loss
+
+        def configure_optimizers(self):
+            layers = [self.net] if self.optimizer_count == 1 else list(self.net)
+            return [torch.optim.AdamW(layer.parameters(), lr=1e-3) for layer in layers]
+
+    def fit(weights_only: bool, optimizers: int = 1, ckpt_path=None, steps: int = 2):
+        trainer = L.Trainer(accelerator="cpu", devices=world, strategy=ShardStrategy(units=["Linear"]),
+                            max_steps=steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                            callbacks=[ModelCheckpoint(dirpath=directory, save_last=True, save_weights_only=weights_only,
+                                                       every_n_train_steps=1)])
+        data = torch.utils.data.DataLoader(torch.randn(16, 4), batch_size=2)
+        try:
+            trainer.fit(Module(optimizers), data, ckpt_path=ckpt_path)
+        except (KeyError, RuntimeError) as err:
+            return f"{type(err).__name__}: {err}"
+        return "resumed"
+
+    from lightning_shard.checkpoint.consolidate import consolidate
+
+    fit(weights_only=True)
+    meta = torch.load(Path(directory) / "last.ckpt" / "meta.pt", weights_only=True)
+    consolidated = consolidate(Path(directory) / "last.ckpt")
+    weights_only = fit(weights_only=True, ckpt_path="last", steps=4)
+    fit(weights_only=False, steps=2)
+    other_count = fit(weights_only=False, optimizers=2, ckpt_path="last", steps=4)
+    return {"meta_keys": sorted(meta), "consolidated_keys": sorted(consolidated), "weights_only": weights_only,
+            "other_count": other_count}

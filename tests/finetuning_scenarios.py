@@ -12,7 +12,6 @@ third-party code may.
 from __future__ import annotations
 
 import copy
-import os
 from pathlib import Path
 from typing import Optional
 
@@ -24,6 +23,7 @@ from lightning_shard.checkpoint.full import full_state_dict
 from lightning_shard.engine.optimizers import optimizer_kind
 from lightning_shard.engine.shard_module import shard_module
 from tests.optimizer_scenarios import Lamb, orthogonalise_in_fp32
+from tests.world import as_lightning_rank
 
 GLOBAL_BATCH = 6  # split evenly over 1, 2 and 3 ranks
 UNITS = ["Sequential"]
@@ -224,11 +224,6 @@ def fit(name: str, strategy, devices: int, chunk: slice, epochs: int = 4, accumu
     return module, trainer
 
 
-def _as_lightning_rank(rank: int, world: int) -> None:
-    # this world's processes are the Trainer's ranks: without LOCAL_RANK, Lightning's launcher would start the
-    # other ranks itself by re-running this process's command line (the whole pytest run)
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))
-
 
 def _compare(trainer, reference: nn.Module, tag: str) -> None:
     full = full_state_dict(trainer.strategy.runtime, rank0_only=False)
@@ -245,7 +240,7 @@ def lightning_finetuning(rank: int, world: int, cases: list[tuple[str, int, Opti
     under ShardStrategy on this world against one process, uninterrupted, on the same global batches."""
     from lightning_shard import ShardStrategy
 
-    _as_lightning_rank(rank, world)
+    as_lightning_rank(rank, world)
     results = []
     for name, accumulate, kind, by_value in cases:
         save_to = Path(save_dir) / f"{name}-{kind}" if kind is not None else None
@@ -267,7 +262,7 @@ def lightning_resume(rank: int, world: int, cases: list[tuple[str, str, bool]], 
     with one process that never stopped."""
     from lightning_shard import ShardStrategy
 
-    _as_lightning_rank(rank, world)
+    as_lightning_rank(rank, world)
     results = []
     for name, kind, by_value in cases:
         checkpoint = Path(save_dir) / f"{name}-{kind}" / "epoch=1.ckpt"
@@ -286,7 +281,7 @@ def error_against_one_process(rank: int, world: int, strategy: str, save_dir: st
     ``strategy`` on this world; ``"resumed"``: plain Lightning in one process, stopped after epoch 1 and resumed."""
     from lightning_shard import ShardStrategy
 
-    _as_lightning_rank(rank, world)
+    as_lightning_rank(rank, world)
     if strategy == "shard":
         _, trainer = fit("adamw", ShardStrategy(units=UNITS), world, _chunk(rank, world))
         state = full_state_dict(trainer.strategy.runtime, rank0_only=False)

@@ -53,9 +53,9 @@ def through_lightning(rank: int, world: int, precision: str, accumulate: int, fr
     from lightning_shard import ShardStrategy
     from lightning_shard.lightning.precision import ShardPrecision
 
-    from tests.finetuning_scenarios import _as_lightning_rank
+    from tests.world import as_lightning_rank
 
-    _as_lightning_rank(rank, world)  # the world's ranks are the Trainer's
+    as_lightning_rank(rank, world)  # the world's ranks are the Trainer's
     measured_step = 2
 
     class Module(L.LightningModule):

@@ -5,7 +5,6 @@ any difference is a host-path bug (a stale copy, a gradient lost or counted twic
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 from typing import Optional
 
@@ -15,6 +14,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_shard.checkpoint.full import full_state_dict
 from tests.models import TinyGPT
+from tests.world import as_lightning_rank
 
 GLOBAL_BATCH = 12
 STEPS_PER_EPOCH = 4
@@ -83,15 +83,11 @@ def _state(trainer) -> dict[str, torch.Tensor]:
     return full_state_dict(trainer.strategy.runtime, rank0_only=False)
 
 
-def _as_lightning_rank(rank: int, world: int) -> None:
-    # without LOCAL_RANK, Lightning's launcher would start the other ranks by re-running this process's command
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))
-
 
 def same_as_without(rank: int, world: int, optimizer: str) -> dict:
     """Per offload mode: whether its losses and weights equal (bitwise) the fit without offload, with bf16-mixed,
     accumulation, norm clipping and a skipped non-finite step; and where its state lives."""
-    _as_lightning_rank(rank, world)
+    as_lightning_rank(rank, world)
     reference, ref_trainer = fit(rank, world, None, optimizer=optimizer, nonfinite_at=2)
     expected = _state(ref_trainer)
     report = {"skipped": ref_trainer.strategy.runtime.skipped_steps}
@@ -111,14 +107,14 @@ def same_as_without(rank: int, world: int, optimizer: str) -> dict:
 
 def save(rank: int, world: int, offload: Optional[str], kind: str, save_dir: str) -> None:
     """One epoch, checkpointed after it."""
-    _as_lightning_rank(rank, world)
+    as_lightning_rank(rank, world)
     fit(rank, world, offload, epochs=1, save_to=Path(save_dir) / f"{offload}-{kind}", state_dict_type=kind)
 
 
 def resume(rank: int, world: int, cases: list[tuple[Optional[str], Optional[str], str]], save_dir: str) -> list:
     """Each case ``(offload when saved, offload now, checkpoint kind)``: resumed for a second epoch, against the
     plain run resumed from the plain run's checkpoint of that kind on this world; the differing parameters."""
-    _as_lightning_rank(rank, world)
+    as_lightning_rank(rank, world)
     results = []
     for saved_with, offload, kind in cases:
         expected = _state(fit(rank, world, None, epochs=2, state_dict_type=kind,
@@ -132,7 +128,7 @@ def resume(rank: int, world: int, cases: list[tuple[Optional[str], Optional[str]
 def meta_init(rank: int, world: int) -> list[str]:
     """A model built on the meta device, materialised into host-memory shards: the parameters that differ from
     the same fit without offload."""
-    _as_lightning_rank(rank, world)
+    as_lightning_rank(rank, world)
     _, reference = fit(rank, world, None, epochs=1, meta=True)
     _, trainer = fit(rank, world, "params", epochs=1, meta=True)
     expected, state = _state(reference), _state(trainer)

@@ -5,7 +5,6 @@ process and compared with the sharded model's own logits."""
 from __future__ import annotations
 
 import copy
-import os
 import warnings
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from lightning_shard.checkpoint.export import save_pretrained
 from lightning_shard.checkpoint.full import full_state_dict
 from lightning_shard.checkpoint.pretrained import load_pretrained
 from lightning_shard.engine.shard_module import shard_module
+from tests.world import as_lightning_rank
 
 VOCAB = 128
 
@@ -166,7 +166,7 @@ def lora_fit(rank: int, world: int, base: str, work: str, resume: bool) -> dict:
 
     from lightning_shard import SavePretrained, ShardStrategy
 
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))
+    as_lightning_rank(rank, world)
     L, LoraModule = _lora_classes()
     size = 6 // world
     module = LoraModule(base, slice(rank * size, (rank + 1) * size))
@@ -191,7 +191,7 @@ def lora_resume_on_another_base(rank: int, world: int, other_base: str, work: st
     """The run's epoch-1 checkpoint restored onto another base model: refused, naming it. Returns the error."""
     from lightning_shard import ShardStrategy
 
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))
+    as_lightning_rank(rank, world)
     L, LoraModule = _lora_classes()
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=ShardStrategy(save_frozen=False), max_epochs=4,
                         logger=False, enable_checkpointing=False, use_distributed_sampler=False,

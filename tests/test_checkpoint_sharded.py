@@ -194,3 +194,13 @@ def test_pretrained_weights_of_another_model_are_refused_with_names(tmp_path):
     torch.save(Odd().state_dict(), path)
     with pytest.raises(AssertionError, match=r"do not fit the model: missing \['wpe', 'wte.weight', 'blocks.0.ln1.weight'"):
         run_world(scenarios.load_pretrained_file, 2, str(path), PACKED)
+
+
+def test_resumes_that_cannot_restore_the_optimizers_say_why(tmp_path):
+    """A weights-only sharded checkpoint holds no optimizer states (it held an empty list, which Lightning took for
+    states: resuming then failed on the LR schedulers' KeyError, not on Lightning's own message); a checkpoint of
+    another number of optimizers is refused, not restored into the first ones only."""
+    result = run_world(scenarios.resumes_that_cannot_restore_the_optimizers, 2, str(tmp_path), timeout=300)[0]
+    assert "optimizer_states" not in result["meta_keys"] and "optimizer_states" not in result["consolidated_keys"]
+    assert "contains only the model" in result["weights_only"] and "save_weights_only" in result["weights_only"]
+    assert "holds 1 optimizer state(s) and `configure_optimizers` returns 2" in result["other_count"]

@@ -116,6 +116,12 @@ def one_rank_here() -> Iterator[None]:
             dist.destroy_process_group()
 
 
+def as_lightning_rank(rank: int, world: int) -> None:
+    """This world's processes are a Trainer's ranks: without LOCAL_RANK, Lightning's launcher would start the other
+    ranks itself by re-running this process's command line (the whole pytest run)."""
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))
+
+
 def leave_lightning_app(results: dict, out: str) -> None:
     """The end of a Lightning app the tests run as a script (its Trainers relaunch it for the other ranks): rank 0 of
     node 0 saves ``results`` for the test; then the group Lightning's DDPStrategy created is destroyed, not left to

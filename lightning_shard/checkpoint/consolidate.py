@@ -54,10 +54,9 @@ def consolidate(directory: Union[str, Path], out: Optional[Union[str, Path]] = N
         state = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
         if state or key == "state_dict":
             checkpoint[key] = state if model is None else _through_hooks(model, state)
-    checkpoint["optimizer_states"] = [
-        _full_optimizer_state(tensors, optimizer_prefix(i), saved)
-        for i, saved in enumerate(checkpoint.get("optimizer_states", []))
-    ]
+    if "optimizer_states" in checkpoint:  # (a weights-only checkpoint has none)
+        checkpoint["optimizer_states"] = [_full_optimizer_state(tensors, optimizer_prefix(i), saved)
+                                          for i, saved in enumerate(checkpoint["optimizer_states"])]
     if out is not None:
         out = Path(out)
         partial = files.partial_path(out)

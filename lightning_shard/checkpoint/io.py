@@ -62,11 +62,12 @@ def _save_sharded(checkpoint: dict[str, Any], path: Path, group: Optional[dist.P
     items = {sharded.MODEL_PREFIX + k: v for k, v in checkpoint.pop("state_dict").items()}
     # a weight-averaging callback's layout: the average in state_dict, the weights trained in current_model_state
     items.update({sharded.CURRENT_PREFIX + k: v for k, v in checkpoint.pop(CURRENT, {}).items()})
-    optimizer_meta = []
-    for i, state in enumerate(checkpoint.pop("optimizer_states", [])):
-        items.update({sharded.optimizer_prefix(i) + k: v for k, v in state["tensors"].items()})
-        optimizer_meta.append({k: v for k, v in state.items() if k != "tensors"})
-    checkpoint["optimizer_states"] = optimizer_meta
+    if "optimizer_states" in checkpoint:  # (absent from a weights-only checkpoint, as Lightning leaves it)
+        optimizer_meta = []
+        for i, state in enumerate(checkpoint.pop("optimizer_states")):
+            items.update({sharded.optimizer_prefix(i) + k: v for k, v in state["tensors"].items()})
+            optimizer_meta.append({k: v for k, v in state.items() if k != "tensors"})
+        checkpoint["optimizer_states"] = optimizer_meta
     sharded.save(items, partial)  # collective: a failure on any rank raises on every rank
     everyone = _all_succeed(lambda: files.checksums(partial, sharded.rank_files(partial, rank)), group)
 

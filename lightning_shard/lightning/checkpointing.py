@@ -25,6 +25,7 @@ from lightning_shard.checkpoint.full import (
 )
 from lightning_shard.checkpoint.export import save_pretrained
 from lightning_shard.checkpoint.export_checkpoint import RECORD, describe_pretrained
+from lightning_shard.checkpoint.files import CheckpointError
 from lightning_shard.checkpoint.fingerprint import check_fingerprints, fingerprints, frozen_names
 from lightning_shard.checkpoint.io import ShardedSource, open_checkpoint, save_full, save_sharded
 from lightning_shard.engine.averaging import AveragedShards
@@ -139,8 +140,14 @@ class CheckpointState:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is not None:
             readd_finetuning_groups(trainer)
-        source = checkpoint["state_dict"]
-        for i, (optimizer, state) in enumerate(zip(self.optimizers, checkpoint["optimizer_states"])):
+        source, states = checkpoint["state_dict"], checkpoint["optimizer_states"]
+        if len(states) != len(self.optimizers):  # zip() would leave some optimizer as it was built
+            raise CheckpointError(
+                f"The checkpoint holds {len(states)} optimizer state(s) and `configure_optimizers` returns"
+                f" {len(self.optimizers)} optimizer(s): resume with the optimizers it was saved with, or load its"
+                " weights only (`load_pretrained`, or the LightningModule's `load_state_dict`) and start the"
+                " optimizers afresh.")
+        for i, (optimizer, state) in enumerate(zip(self.optimizers, states)):
             if isinstance(source, ShardedSource):
                 sharded.load_optimizer_state(self.runtime, optimizer, i, state, source.directory, source.metadata)
             else:
