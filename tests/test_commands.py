@@ -64,6 +64,11 @@ BAD_INPUT = [  # (command, args, what its one line says); all fail before any ra
     ("lightning_shard.tools.bench_overhead", ["--blocks", "0"], "argument --blocks: must be an integer >= 1"),
     ("lightning_shard.tools.bench_against", ["no_such_revision"], "cannot read revision 'no_such_revision' from git"),
     (TRAIN, ["strategy.offload=cpu"], "`offload` must be None (everything on the device), 'optimizer'"),
+    # the Trainer's values and the checkpoint to resume from, before the ranks start (they were a traceback per rank)
+    (TRAIN, ["trainer.devices=0"], "`Trainer(devices=0)` value is not a valid input using cpu accelerator"),
+    (TRAIN, ["trainer.max_steps=foo"], "`trainer.max_steps` must be an integer; got 'foo'"),
+    (TRAIN, ["ckpt_path=no_such.ckpt"], "`ckpt_path`: Checkpoint 'no_such.ckpt' does not exist"),
+    (TRAIN, ["ckpt_path=not_a.ckpt"], "`ckpt_path`: 'not_a.ckpt' is not a readable torch checkpoint"),
     ("lightning_shard.tools.bench_offload", ["--offload", "gpu"], "argument --offload: invalid choice: 'gpu'"),
     ("lightning_shard.app.sweep", ["no_such_dir"], "no job of 'no_such_dir' wrote a summary.json"),
 ]
@@ -73,6 +78,7 @@ def test_bad_input_is_one_line_and_exit_status_2(tmp_path):
     """Every case in one interpreter (tests/cli_driver.py): an interpreter start costs more than a case."""
     cases = [(command, [*args, f"hydra.run.dir={tmp_path / 'run'}"] if command == TRAIN else args)
              for command, args, _ in BAD_INPUT]
+    (tmp_path / "not_a.ckpt").write_text("a truncated or foreign file")
     proc = subprocess.run([sys.executable, DRIVER, json.dumps(cases)], cwd=tmp_path, capture_output=True,
                           text=True, timeout=280, env={**os.environ, "PYTHONWARNINGS": "ignore", "HYDRA_FULL_ERROR": "0"})
     assert proc.returncode == 0, proc.stderr[-3000:]

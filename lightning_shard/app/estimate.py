@@ -61,7 +61,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from omegaconf.errors import OmegaConfBaseException
 
     from lightning_shard.app import cli
-    from lightning_shard.app.train import CONF_DIR, check_options
+    from lightning_shard.app.checks import check_options
+    from lightning_shard.app.train import CONF_DIR
 
     parser = cli.ArgumentParser(prog=PROG, description="One rank's memory peak for a training config (its model,"
                                 " one batch of its data, its strategy, precision and world size), before anything"
@@ -73,7 +74,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     with cli.bad_input(PROG, HydraException, OmegaConfBaseException), \
             initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = compose(config_name="config", overrides=overrides)
-    check_options(cfg, PROG)
+    check_options(cfg, PROG, runs=False)
     with warnings.catch_warnings(record=True) as caught:  # self.log() without a Trainer, in the model's training_step
         warnings.simplefilter("always")
         estimate, world = estimate_config(cfg)

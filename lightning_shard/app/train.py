@@ -20,15 +20,14 @@ import hydra
 import torch
 import torch.multiprocessing as mp
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from lightning_shard.app import cli, report
+from lightning_shard.app.checks import check_options, local_world_size
 from lightning_shard.app.quiet import quiet
-from lightning_shard.lightning.precision import SUPPORTED_PRECISION
 
 PROG = "python -m lightning_shard.train"
 
@@ -73,32 +72,6 @@ def _rank_main(local_rank: int, world: int, port: int, resolved: dict) -> None:
     run(OmegaConf.create(resolved))
 
 
-def _local_world_size(trainer_cfg: DictConfig) -> int:
-    """Processes to spawn on this machine; 1 when a cluster launcher (torchrun, SLURM) starts them."""
-    if trainer_cfg.get("num_nodes", 1) != 1 or "LOCAL_RANK" in os.environ:
-        return 1
-    devices = trainer_cfg.get("devices", 1)
-    if trainer_cfg.accelerator in ("gpu", "cuda") and devices == -1:
-        return torch.cuda.device_count()
-    return int(devices) if isinstance(devices, int) else 1
-
-
-def check_options(cfg: DictConfig, prog: str) -> None:
-    """Bad strategy or precision values fail here, in one line with the option's own message, before any rank
-    starts (or anything is estimated)."""
-    with cli.bad_input(prog, InstantiationException):
-        strategy = instantiate(cfg.strategy)
-    devices, nodes = _local_world_size(cfg.trainer), int(cfg.trainer.get("num_nodes", 1))
-    if strategy.sharding == "hybrid" and strategy.shard_size and (devices * nodes) % strategy.shard_size:
-        cli.fail(prog, f"strategy.shard_size={strategy.shard_size} must divide the world size {devices * nodes}"
-                       f" (trainer.devices={devices} x trainer.num_nodes={nodes}).")
-    if cfg.precision not in SUPPORTED_PRECISION:
-        cli.fail(prog, f"`precision` must be one of {', '.join(SUPPORTED_PRECISION)}; got {cfg.precision!r}.")
-    accumulate = cfg.trainer.get("accumulate_grad_batches", 1)
-    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
-        cli.fail(prog, f"`trainer.accumulate_grad_batches` must be an int >= 1; got {accumulate!r}.")
-
-
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def _job(cfg: DictConfig) -> Optional[float]:
     """One run, or one job of a ``-m`` sweep; returns its validation loss (what a Hydra sweeper minimises)."""
@@ -106,7 +79,7 @@ def _job(cfg: DictConfig) -> Optional[float]:
         resolved = OmegaConf.to_container(cfg, resolve=True)  # ranks have no Hydra context for ${hydra:...}
     check_options(cfg, PROG)
     output_dir = HydraConfig.get().runtime.output_dir
-    world = _local_world_size(cfg.trainer)
+    world = local_world_size(cfg.trainer)
     if world > 1:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
