@@ -5,6 +5,7 @@ process and compared with the sharded model's own logits."""
 from __future__ import annotations
 
 import copy
+import json
 import warnings
 from pathlib import Path
 
@@ -81,6 +82,7 @@ def round_trip(rank: int, world: int, base: str, out: str) -> dict:
     if rank == 0:
         report["full"] = float((_logits(AutoModelForCausalLM.from_pretrained(Path(out) / "full")) - trained).abs().max())
         report["full_files"] = sorted(p.name for p in (Path(out) / "full").iterdir())
+        report["full_config"] = json.loads((Path(out) / "full" / "config.json").read_text())
 
     torch.manual_seed(200 + rank)
     adapted = lora(LlamaForCausalLM(llama_config()))

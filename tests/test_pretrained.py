@@ -37,6 +37,9 @@ def test_an_hf_folder_in_sharded_training_and_folders_from_pretrained_loads_out(
     for key in ("loaded", "full", "adapter", "adapter_loaded", "adapter_resharded", "merged"):
         assert report[key] <= 1e-6, (key, report[key])
     assert "model.safetensors.index.json" in report["full_files"] and "config.json" in report["full_files"]
+    # as transformers' save_pretrained writes it: the class (which serving tools read) and the files' dtype
+    assert report["full_config"]["architectures"] == ["LlamaForCausalLM"]
+    assert report["full_config"]["dtype"] == "float32"
     assert report["adapter_files"] == ["adapter_config.json", "adapter_model.safetensors"]
 
 
@@ -102,6 +105,8 @@ def test_the_export_command_finds_the_model_in_another_strategys_checkpoint(base
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert "lm_head.weight" not in index["weight_map"] and "model.embed_tokens.weight" in index["weight_map"]
     assert all(p.stat().st_size <= 30_000 + 2_000 for p in out.glob("model-*.safetensors"))  # and the header
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"  # the files', not the base's
+    assert f"load it: transformers.LlamaForCausalLM.from_pretrained('{out}')" in done.stdout
     reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     expected = {k: v.to(torch.bfloat16).float() for k, v in model.state_dict().items()}
     assert all(torch.equal(v, expected[k]) for k, v in reloaded.state_dict().items())

@@ -3,6 +3,7 @@ Face folder that ``from_pretrained`` loads (``lightning_shard.checkpoint.export_
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Optional
@@ -53,6 +54,7 @@ def main(argv: Optional[list[str]] = None) -> int:
               " the model's names, or --prefix to strip the LightningModule's")
     if "adapter_config.json" in written:
         print(f"load it: PeftModel.from_pretrained(base_model, {str(out)!r})")
-    else:
-        print(f"load it: AutoModelForCausalLM.from_pretrained({str(out)!r}) (or the model's own class)")
+    elif "config.json" in written:
+        architecture = (json.loads((out / "config.json").read_text()).get("architectures") or ["AutoModel"])[0]
+        print(f"load it: transformers.{architecture}.from_pretrained({str(out)!r})")
     return 0

@@ -81,7 +81,7 @@ def save_pretrained(module: nn.Module, folder: Union[str, Path], dtype: Optional
                 writer.add(name, tensor)
                 del tensor  # the writer's alone: written out, it is freed before the next one is gathered
             writer.close()
-            _write_configs(model.get_base_model() if merged else model, partial)
+            _write_configs(model.get_base_model() if merged else model, partial, dtype)
         for path in carried:
             shutil.copy2(path, partial / path.name)
     except BaseException:
@@ -282,10 +282,10 @@ def _write_adapter(module: nn.Module, model: nn.Module, prefix: str, adapter: st
     model.peft_config[adapter].save_pretrained(str(folder))
 
 
-def _write_configs(model: nn.Module, folder: Path) -> None:
+def _write_configs(model: nn.Module, folder: Path, dtype: Optional[torch.dtype]) -> None:
     config = getattr(model, "config", None)
     if hf.is_transformers_model(model) and config is not None:
-        config.save_pretrained(str(folder))
+        hf.saved_config(model, dtype or hf.floating_dtype(model)).save_pretrained(str(folder))
         generation = getattr(model, "generation_config", None)
         if generation is not None and getattr(model, "can_generate", lambda: False)():
             generation.save_pretrained(str(folder))

@@ -70,7 +70,7 @@ def export_checkpoint(checkpoint: Union[str, Path], out: Union[str, Path], model
                                                   else value.dtype).contiguous())
             del tensors, value
         writer.close()
-        for file_name, text in _configs(described).items():
+        for file_name, text in _configs(described, dtype).items():
             (partial / file_name).write_text(text)
         for path in carried:
             shutil.copy2(path, partial / path.name)
@@ -155,10 +155,10 @@ def _describe_config(path: Path, names: dict[str, int]) -> dict[str, Any]:
     return {"prefix": prefix, "tied": _dropped_ties(model), "config": config.to_json_string()}
 
 
-def _configs(described: dict[str, Any]) -> dict[str, str]:
+def _configs(described: dict[str, Any], dtype: Optional[torch.dtype]) -> dict[str, str]:
     texts = {}
     if described.get("config"):
-        texts["config.json"] = described["config"]
+        texts["config.json"] = described["config"] if dtype is None else hf.with_dtype(described["config"], dtype)
     if described.get("generation_config"):
         texts["generation_config.json"] = described["generation_config"]
     if described.get("peft"):
@@ -176,7 +176,7 @@ def describe_pretrained(module: Any) -> Optional[dict[str, Any]]:
     described: dict[str, Any] = {"prefix": prefix}
     base = model.get_base_model() if hf.is_peft_model(model) else model
     if hf.is_transformers_model(base):
-        described["config"] = base.config.to_json_string()
+        described["config"] = hf.saved_config(base, hf.floating_dtype(base)).to_json_string()
         generation = getattr(base, "generation_config", None)
         if generation is not None and base.can_generate():
             described["generation_config"] = generation.to_json_string()

@@ -11,9 +11,12 @@ names (``q_proj.weight``).
 
 from __future__ import annotations
 
+import copy
+import json
 import sys
 from typing import Any, Optional
 
+import torch
 from torch import nn
 
 PEFT_PREFIX = "base_model.model."
@@ -35,6 +38,28 @@ def is_peft_model(module: nn.Module) -> bool:
 def is_transformers_model(module: nn.Module) -> bool:
     transformers = sys.modules.get("transformers")  # loaded if the module is one: no import just to ask
     return transformers is not None and isinstance(module, transformers.PreTrainedModel)
+
+
+def saved_config(model: nn.Module, dtype: Optional[torch.dtype]) -> Any:
+    """A copy of a transformers model's config as its ``save_pretrained`` writes it: with ``architectures`` (the
+    class, which serving tools read) and the files' floating ``dtype``; the model's own config is left as it is."""
+    config = copy.deepcopy(model.config)
+    config.architectures = [type(model).__name__]
+    if dtype is not None:  # (transformers 4 calls it torch_dtype)
+        setattr(config, "dtype" if hasattr(config, "dtype") else "torch_dtype", str(dtype).removeprefix("torch."))
+    return config
+
+
+def with_dtype(config_json: str, dtype: torch.dtype) -> str:
+    """``config_json`` saying the files hold ``dtype`` (transformers 4 calls the key ``torch_dtype``, 5 ``dtype``)."""
+    config = json.loads(config_json)
+    key = "torch_dtype" if "torch_dtype" in config and "dtype" not in config else "dtype"
+    config[key] = str(dtype).removeprefix("torch.")
+    return json.dumps(config, indent=2, sort_keys=True) + "\n"  # as transformers writes it
+
+
+def floating_dtype(model: nn.Module) -> Optional[torch.dtype]:
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
 
 
 def find_all_pretrained(module: nn.Module) -> list[tuple[str, nn.Module]]:
