@@ -89,8 +89,8 @@ def llama_checkpointed(rank: int, world: int, cases: list[tuple[Optional[dict], 
     return outcomes
 
 
-def _run_case(reference, sharded, runtime, batches, loss_fn, rank, world, lr, label) -> dict[str, Any]:
-    _train_both(reference, sharded, batches, loss_fn, rank, world, lr)
+def _run_case(reference, sharded, runtime, batches, loss_fn, rank, world, lr, label, adam=True) -> dict[str, Any]:
+    _train_both(reference, sharded, batches, loss_fn, rank, world, lr, adam)
     _assert_matches(runtime, reference, label)
     return {"case": label, "skipped_gathers": runtime.stats.skipped_gathers}
 
@@ -160,5 +160,57 @@ def torch_checkpointed(rank: int, world: int, cases: list[tuple[bool, bool]], st
     return outcomes
 
 
+# -- 3. The runtime's own activation checkpointing on HF models called as usual (their key/value cache on) ------
+def tiny_t5():
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+                      decoder_start_token_id=0, pad_token_id=0, dropout_rate=0.0)
+    return T5ForConditionalGeneration(config)
+
+
+def _padded_llama_loss(model: nn.Module, batch: tuple) -> torch.Tensor:
+    (ids,) = batch
+    mask = torch.ones_like(ids)
+    mask[:, -3:] = 0  # right padding, as a fine-tuning batch has: the mask must match the keys' length
+    return model(input_ids=ids, attention_mask=mask, labels=ids).loss  # use_cache left at the config's True
+
+
+def _t5_loss(model: nn.Module, batch: tuple) -> torch.Tensor:
+    (ids,) = batch
+    return model(input_ids=ids, labels=ids.flip(1)).loss
+
+
+def cached_layers_checkpointed(rank: int, world: int, cases: list[str], steps: int = 3) -> list[dict[str, Any]]:
+    """``activation_checkpointing=True`` on HF Llama (padded mask) and T5, called with their cache on: the layers'
+    recomputation must not write the cache a second time. One process without checkpointing is the reference. Then
+    a cache that holds keys already, refused."""
+    g = torch.Generator().manual_seed(12)
+    batches = [(torch.randint(1, 128, (2 * world, 12), generator=g),) for _ in range(steps)]
+    outcomes = []
+    for name in cases:
+        build, loss_fn, units = {"llama": (tiny_llama, _padded_llama_loss, ["LlamaDecoderLayer"]),
+                                 "t5": (tiny_t5, _t5_loss, ["T5Block"])}[name]
+        torch.manual_seed(0)
+        reference = build()
+        sharded = copy.deepcopy(reference)
+        runtime = shard_module(sharded, sharding="full", units=units, activation_checkpointing=True)
+        # SGD: padded positions leave gradients near zero, whose rounding Adam's normalisation would blow up
+        outcomes.append(_run_case(reference, sharded, runtime, batches, loss_fn, rank, world, 1e-2, name, adam=False))
+    from transformers import DynamicCache
+
+    model = tiny_llama()
+    shard_module(model, sharding="full", units=["LlamaDecoderLayer"], activation_checkpointing=True)
+    with torch.no_grad():  # (with gradients the layers run without the cache: it would stay empty)
+        past = model(input_ids=batches[0][0][:, :4], use_cache=True).past_key_values  # a prefix's keys
+    try:
+        model(input_ids=batches[0][0][:, 4:], past_key_values=past, labels=batches[0][0][:, 4:]).loss.backward()
+    except RuntimeError as err:
+        outcomes.append({"case": "a cache holding keys", "error": str(err)})
+    assert isinstance(past, DynamicCache)
+    return outcomes
+
+
 def run_cases(rank: int, world: int, which: str, cases: list[Any]) -> list[dict[str, Any]]:
-    return {"llama": llama_checkpointed, "torch": torch_checkpointed}[which](rank, world, cases)
+    return {"llama": llama_checkpointed, "torch": torch_checkpointed, "cached": cached_layers_checkpointed}[which](
+        rank, world, cases)

@@ -38,3 +38,16 @@ def test_torch_checkpoint_inside_a_unit_member_matches_one_process():
             # with elision on, only the embedding unit (fed token ids, it saves no weight) skips its backward
             # gather, once per step; the blocks, recomputed in backward, are all gathered
             assert result["skipped_gathers"] == (steps if elide else 0), result
+
+
+def test_activation_checkpointing_of_hf_layers_called_with_their_cache_on_matches_one_process():
+    """HF models as users call them (``use_cache`` left on): ``activation_checkpointing=True`` recomputes each layer in
+    backward, which wrote the layer's keys into the model's cache a second time (Llama with a padded mask: a size
+    mismatch; T5: "a different number of tensors was saved"). The layers now run without the empty cache."""
+    pytest.importorskip("transformers")
+    results = run_world(scenarios.run_cases, 2, "cached", ["llama", "t5"], timeout=500)
+    for rank_results in results:
+        assert [r["case"] for r in rank_results] == ["llama", "t5", "a cache holding keys"]
+        assert "given a `past_key_values` holding keys" in rank_results[-1]["error"] or \
+            "given a `cache` holding keys" in rank_results[-1]["error"], rank_results[-1]
+

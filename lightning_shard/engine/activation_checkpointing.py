@@ -99,6 +99,7 @@ def wrap_forward(module: nn.Module, before_run: Optional[Callable[[], Any]] = No
     def checkpointed_forward(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
+        kwargs = _without_cache(module, kwargs)
         # Each tensor goes in once. Under saved-tensor hooks (ours, for backward elision) the recomputation
         # gets a fresh object per input, so `attn(h, h, h)` would no longer see `query is key` and would
         # take another path than in forward.
@@ -116,6 +117,35 @@ def wrap_forward(module: nn.Module, before_run: Optional[Callable[[], Any]] = No
 
     module.forward = checkpointed_forward  # type: ignore[method-assign]
     return lambda: delattr(module, "forward")
+
+
+# what transformers' layers call the key/value cache they write into (its GradientCheckpointingLayer drops them too)
+_CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value", "layer_past")
+
+
+def _without_cache(module: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A layer given a key/value cache to write into (an HF decoder layer in training, the model's ``use_cache``
+    left on) is called without it: its recomputation would write the same keys into it again (a mask of another
+    length, or a different number of tensors saved). Nothing reads a training forward's cache, and an empty one adds
+    nothing to attention, so the numbers stay as they are. A cache that already holds keys (a prefix, a past passed
+    in) does take part, and is refused. Layers that only read a cache say so as transformers lets them."""
+    if getattr(module, "_can_checkpoint_with_cache", False):
+        return kwargs
+    given = [name for name in _CACHE_ARGUMENTS if _is_cache(name, kwargs.get(name))]
+    for name in given:
+        length = getattr(kwargs[name], "get_seq_length", None)
+        if length is None or length() > 0:
+            raise RuntimeError(
+                f"lightning_shard: activation_checkpointing recomputes {type(module).__name__} in backward, and it was"
+                f" given a `{name}` holding keys (a prefix, or a past passed in): the recomputation would write them"
+                " into it a second time. Checkpoint other modules (activation_checkpointing=[...]), or turn it off.")
+    return {**kwargs, **dict.fromkeys(given)} if given else kwargs
+
+
+def _is_cache(name: str, value: Any) -> bool:
+    """``cache=`` is a common name: only a transformers cache counts there; the older names are caches whatever holds
+    them (tuples of tensors)."""
+    return value is not None and (name != "cache" or hasattr(value, "get_seq_length"))
 
 
 def _gather_all(gather: Callable[["Unit"], None], units: tuple["Unit", ...]) -> None:
