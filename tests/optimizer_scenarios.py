@@ -301,3 +301,28 @@ def optimizer_refusals(rank: int, world: int) -> list[str]:
     return [optimizer_refused(rank, world, "MyAdamW"), optimizer_refused(rank, world, "LBFGS"),
             optimizer_refused(rank, world, "MyAdamW", "elementwise"), optimizer_refused(rank, world, "MyAdamW", "matrix"),
             optimizer_refused(rank, world, "Adafactor")]
+
+
+def adagrad_like_ddp(rank: int, world: int, steps: int = 4) -> bool:
+    """torch's Adagrad builds its accumulators when it is built, over the full-shape placeholders
+    ``configure_optimizers`` sees: they are built again on the shards (it was refused), and training matches DDP."""
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+    model = copy.deepcopy(reference)
+    runtime = shard_module(model, units=["Linear"])
+    with runtime.shaped_parameters():
+        optimizer = torch.optim.Adagrad(model.parameters(), lr=0.1, initial_accumulator_value=0.5, lr_decay=0.01)
+    runtime.attach_optimizer(optimizer)
+    ddp = DDP(reference)
+    ddp_optimizer = torch.optim.Adagrad(ddp.parameters(), lr=0.1, initial_accumulator_value=0.5, lr_decay=0.01)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x, y = torch.randn(4 * world, 6, generator=g), torch.randn(4 * world, 1, generator=g)
+        for net, opt in ((model, optimizer), (ddp, ddp_optimizer)):
+            nn.functional.mse_loss(net(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+            runtime.step(opt) if net is model else opt.step()
+            opt.zero_grad(set_to_none=True)
+    full = full_state_dict(runtime, rank0_only=False)
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(full[name], value, rtol=1e-6, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+    return all(state["sum"].shape == p.shape for p, state in optimizer.state.items())  # the shards' own

@@ -85,3 +85,7 @@ def test_owners_hold_at_most_their_share_plus_one_parameter():
     for p in params:
         loads[plan.owner(p)] += sizes[id(p)]
     assert max(loads) <= sum(loads) / 3 + max(sizes.values()), loads
+
+
+def test_adagrad_whose_state_is_built_with_it_trains_like_ddp():
+    assert run_world(scenarios.adagrad_like_ddp, 2, timeout=200) == [True, True]

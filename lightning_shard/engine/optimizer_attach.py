@@ -60,15 +60,22 @@ class OptimizerAttachment:
                step_group_numel: int = DEFAULT_STEP_GROUP_NUMEL) -> ShardedStep:
         """Replace the placeholders ``optimizer`` holds by the shard parameters, and return its sharded step
         (``whole``: the optimizer steps whole parameters, each on its owner rank)."""
-        if any(self._is_placeholder(p) for p in optimizer.state):
+        built = [p for p in optimizer.state if self._is_placeholder(p)]
+        if built and type(optimizer) is not torch.optim.Adagrad:
             cls = type(optimizer).__name__
             raise ValueError(f"lightning_shard: {cls} created optimizer state when it was built; it cannot be"
-                             " sharded. Build its state in `step` (as torch's optimizers do).")
+                             " sharded. Build its state in `step` (as torch's optimizers but Adagrad do).")
+        for param in built:  # (meta tensors of the full shapes)
+            del optimizer.state[param]
         for group in optimizer.param_groups:
             params = group["params"]
             for i, param in enumerate(params):
                 if self._is_placeholder(param):
                     params[i] = self._placeholders[id(param)][1]  # in place: the optimizer may hold the list
+        if built:  # torch's Adagrad builds its accumulators in __init__ (from its own argument): built again, sharded
+            initial = optimizer.defaults["initial_accumulator_value"]
+            again = torch.optim.Adagrad([dict(group) for group in optimizer.param_groups], initial_accumulator_value=initial)
+            optimizer.state.update(again.state)
         if any(unit.storage.offloaded for unit in self.units):  # stepped on the CPU
             fused = prepare_host_step(optimizer)
         else:
