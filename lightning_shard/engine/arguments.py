@@ -20,15 +20,20 @@ def needs_cast(unit: Unit) -> bool:
 
 
 def explain_mixed_dtype_on_cpu(err: RuntimeError, units: list[Unit]) -> None:
-    """Inputs stay as they come under autocast (as without sharding), and CPU autocast runs norms in their input's
-    dtype: an fp32 input meeting a unit's bf16 weights there raises torch's "mixed dtype (CPU)". Say why, and what to
-    do, instead of torch's words alone (CUDA autocast runs norms in fp32 and has no such case)."""
-    lower = sorted({str(u.storage.param_dtype) for u in units if u.storage.param_dtype != u.storage.master_dtype})
-    if "mixed dtype (CPU)" in str(err) and lower:  # (the step's autocast has exited by the time it is caught)
+    """Inputs and buffers stay as they come under autocast (as without sharding), and CPU autocast leaves more ops in
+    their inputs' dtype than CUDA's (norms, matrix-vector products): a float32 tensor meeting a unit's bf16 weights
+    there raises torch's "mixed dtype (CPU)" or "... must have the same dtype". Say why, and what to do, instead of
+    torch's words alone."""
+    lower = sorted({str(u.storage.param_dtype) for u in units
+                    if u.storage.param_dtype != u.storage.master_dtype and u.storage.device_type == "cpu"})
+    message = str(err)
+    if lower and ("mixed dtype (CPU)" in message or "must have the same dtype" in message):
+        # (the step's autocast has exited by the time it is caught)
         raise RuntimeError(
-            f"lightning_shard: under CPU autocast a unit computing in {', '.join(lower)} got a float32 input for an op"
-            " that CPU autocast leaves in its input's dtype (a LayerNorm, GroupNorm or BatchNorm first in the unit):"
-            " its weights and its input differ. Cast that input to the compute dtype in your forward, or gather in"
+            f"lightning_shard: under CPU autocast a unit computing in {', '.join(lower)} met a float32 tensor in an op"
+            " that CPU autocast leaves in its inputs' dtype (a LayerNorm, GroupNorm or BatchNorm first in the unit fed"
+            " a float32 input; a parametrization's matrix-vector product with float32 buffers, as spectral_norm's):"
+            " its weights and that tensor differ. Cast that input to the compute dtype in your forward, or gather in"
             " float32 on the CPU (ShardStrategy(mixed_precision=MixedPrecision()) with bf16-mixed).") from err
 
 
