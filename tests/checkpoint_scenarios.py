@@ -135,7 +135,8 @@ def resumes_that_cannot_restore_the_optimizers(rank, world, directory):
     class Module(L.LightningModule):
         def __init__(self, optimizers: int = 1) -> None:
             super().__init__()
-            self.net, self.optimizer_count = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)), optimizers
+            self.net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+            self.optimizer_count = optimizers
             self.automatic_optimization = optimizers == 1
 
         def training_step(self, batch, _):
@@ -154,8 +155,8 @@ def resumes_that_cannot_restore_the_optimizers(rank, world, directory):
     def fit(weights_only: bool, optimizers: int = 1, ckpt_path=None, steps: int = 2):
         trainer = L.Trainer(accelerator="cpu", devices=world, strategy=ShardStrategy(units=["Linear"]),
                             max_steps=steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                            callbacks=[ModelCheckpoint(dirpath=directory, save_last=True, save_weights_only=weights_only,
-                                                       every_n_train_steps=1)])
+                            callbacks=[ModelCheckpoint(dirpath=directory, save_last=True, every_n_train_steps=1,
+                                                       save_weights_only=weights_only)])
         data = torch.utils.data.DataLoader(torch.randn(16, 4), batch_size=2)
         try:
             trainer.fit(Module(optimizers), data, ckpt_path=ckpt_path)

@@ -73,8 +73,8 @@ class OptimizerAttachment:
                 if self._is_placeholder(param):
                     params[i] = self._placeholders[id(param)][1]  # in place: the optimizer may hold the list
         if built:  # torch's Adagrad builds its accumulators in __init__ (from its own argument): built again, sharded
-            initial = optimizer.defaults["initial_accumulator_value"]
-            again = torch.optim.Adagrad([dict(group) for group in optimizer.param_groups], initial_accumulator_value=initial)
+            again = torch.optim.Adagrad([dict(group) for group in optimizer.param_groups],
+                                        initial_accumulator_value=optimizer.defaults["initial_accumulator_value"])
             optimizer.state.update(again.state)
         if any(unit.storage.offloaded for unit in self.units):  # stepped on the CPU
             fused = prepare_host_step(optimizer)
