@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_shard.checkpoint import files, hf
+from lightning_shard.checkpoint import conversion, files, hf
 from lightning_shard.checkpoint.full import gather_slots, registered
 from lightning_shard.checkpoint.safetensors_writer import SafetensorsWriter, parse_size
 from lightning_shard.engine import collectives
@@ -76,10 +76,12 @@ def save_pretrained(module: nn.Module, folder: Union[str, Path], dtype: Optional
                 pass
         else:
             writer = SafetensorsWriter(partial, limit)
+            file_names = conversion.FileNames(model)  # fused experts written per expert, as transformers does
             for name, tensor in _Exporter(module, model, prefix, adapter if merged else None, layers, dtype,
                                           writer.make_room).tensors():
-                writer.add(name, tensor)
-                del tensor  # the writer's alone: written out, it is freed before the next one is gathered
+                for file_name, piece in file_names(name, tensor):
+                    writer.add(file_name, piece)
+                del tensor, piece  # the writer's alone: written out, it is freed before the next one is gathered
             writer.close()
             _write_configs(model.get_base_model() if merged else model, partial, dtype)
         for path in carried:

@@ -22,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from lightning_shard.checkpoint import files, hf
+from lightning_shard.checkpoint import conversion, files, hf
 from lightning_shard.checkpoint.export import carried_over
 from lightning_shard.checkpoint.safetensors_writer import SafetensorsWriter, parse_size
 from lightning_shard.checkpoint.sharded import MODEL_PREFIX, read_metadata
@@ -61,14 +61,17 @@ def export_checkpoint(checkpoint: Union[str, Path], out: Union[str, Path], model
     try:
         writer = SafetensorsWriter(partial, 2**62 if peft is not None else limit,
                                    stem="adapter_model" if peft is not None else "model")
+        # fused experts written per expert, as transformers does (the model built on the meta device from its config)
+        file_names = conversion.FileNames(conversion.meta_model(described.get("config")) if peft is None else None)
         for batch in _batches(chosen, limit, names):  # a file's worth, read once the last file is out
             writer.make_room(sum(names[n] for n in batch))
             tensors = read(batch)
             for name in batch:  # handed over one by one: nothing here keeps one alive once written
                 value = tensors.pop(name)
-                writer.add(chosen[name], value.to(dtype if dtype is not None and value.is_floating_point()
-                                                  else value.dtype).contiguous())
-            del tensors, value
+                value = value.to(dtype if dtype is not None and value.is_floating_point() else value.dtype)
+                for file_name, piece in file_names(chosen[name], value.contiguous()):
+                    writer.add(file_name, piece)
+            del tensors, value, piece
         writer.close()
         for file_name, text in _configs(described, dtype).items():
             (partial / file_name).write_text(text)

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_shard.checkpoint import hf
+from lightning_shard.checkpoint import conversion, hf
 from lightning_shard.checkpoint.files import CheckpointError
 from lightning_shard.checkpoint.sources import ADAPTER_CONFIG, RenamedSource, open_weights
 from lightning_shard.checkpoint.weights import load_into
@@ -41,18 +41,20 @@ def load_pretrained(module: nn.Module, path: Union[str, Path], strict: bool = Tr
     path = Path(path)
     adapter_folder = path.is_dir() and (path / ADAPTER_CONFIG).is_file()
     with open_weights(path) as source:
-        names = sorted(source.names())
         in_model = {n for n, _ in module.named_parameters(remove_duplicate=False)}
         in_model |= {n for n, _ in _persistent_buffers(module)}
         candidates = [prefix] if prefix is not None else list(dict.fromkeys(
             ["", *(p for p, _ in hf.find_all_pretrained(module))]))
         if adapter_folder:  # only a peft model takes an adapter
-            candidates = [p for p in candidates if hf.is_peft_model(module.get_submodule(p[:-1]) if p else module)]
+            candidates = [p for p in candidates if hf.is_peft_model(_at(module, p))]
             if not candidates:
                 raise CheckpointError(f"load_pretrained: {str(path)!r} is a peft adapter folder; it goes into a peft"
                                       " model (`peft.get_peft_model`), and the module holds none"
                                       f"{'' if prefix is None else f' at prefix {prefix!r}'}.")
-        mappings = [(p, *_model_names(module, p, names, in_model, adapter_folder, adapter)) for p in candidates]
+        # each candidate's view of the files: under its names as transformers converts them (fused experts)
+        views = {p: source if adapter_folder else conversion.as_model_names(source, _at(module, p)) for p in candidates}
+        mappings = [(p, *_model_names(module, p, sorted(views[p].names()), in_model, adapter_folder, adapter))
+                    for p in candidates]
         matched = [len(in_model.intersection(m[1])) for m in mappings]
         best = [m[0] for m, n in zip(mappings, matched) if n == max(matched)]
         if len(best) > 1 and max(matched):
@@ -60,8 +62,8 @@ def load_pretrained(module: nn.Module, path: Union[str, Path], strict: bool = Tr
                                   " alike: pass `prefix=` to choose one.")
         prefix, renamed, not_expected = mappings[matched.index(max(matched))]
         if adapter_folder:
-            _check_adapter_config(module.get_submodule(prefix[:-1]) if prefix else module, path, adapter)
-        source = RenamedSource(source, renamed)
+            _check_adapter_config(_at(module, prefix), path, adapter)
+        source = RenamedSource(views[prefix], renamed)
         _check_ties(module, source)
         runtime = getattr(module, "_shard_runtime", None)
         if runtime is not None:
@@ -79,7 +81,7 @@ def _model_names(module: nn.Module, prefix: str, names: list[str], in_model: set
                  adapter: Optional[str]) -> tuple[dict[str, str], Callable[[str], bool]]:
     """The module's name for each of the files' names (``in_model``: the module's), and which of the module's
     weights the files are not meant to hold."""
-    target = module.get_submodule(prefix[:-1]) if prefix else module
+    target = _at(module, prefix)
     if not hf.is_peft_model(target):
         return {prefix + name: name for name in names}, lambda name: not name.startswith(prefix)
     adapters = hf.adapter_names(target)
@@ -97,6 +99,10 @@ def _model_names(module: nn.Module, prefix: str, names: list[str], in_model: set
     renamed = {ours: name for name in names for ours in by_file.get(name, [prefix + name])}
     mapped = {ours for ours_all in by_file.values() for ours in ours_all}
     return renamed, lambda name: name not in mapped
+
+
+def _at(module: nn.Module, prefix: str) -> nn.Module:
+    return module.get_submodule(prefix[:-1]) if prefix else module
 
 
 def _persistent_buffers(module: nn.Module) -> list[tuple[str, object]]:
