@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests import exactness_scenarios as scenarios
-from tests import optimizer_scenarios, trainable_scenarios
+from tests import optimizer_scenarios, routed_scenarios, trainable_scenarios
 from tests.world import run_world
 
 pytestmark = pytest.mark.timeout(600)
@@ -70,6 +70,16 @@ def test_a_units_backward_on_some_ranks_only_is_an_error_not_a_silent_swap():
     with pytest.raises(AssertionError) as failure:
         run_world(scenarios.aux_on_some_ranks, 2, timeout=200)
     assert str(failure.value).count("ranks reduced the units' gradients in different orders") == 2
+
+
+@pytest.mark.parametrize("case", ["train", "frozen", "eval"])
+def test_units_run_on_some_ranks_only_are_an_error_not_a_silent_swap(case):
+    """Each rank routed to another expert held in a unit of its own: the experts' all-gathers are alike, so each
+    rank would compute with the other's shards. Frozen experts reduce nothing, and evaluation runs no backward:
+    the ranks compare the units they gathered at the end of each backward and of each step without one."""
+    errors = run_world(routed_scenarios.experts_of_their_own, 2, case, timeout=200)
+    assert all(e.startswith("lightning_shard: the ranks all-gathered different units") for e in errors), errors
+    assert run_world(routed_scenarios.experts_of_their_own, 2, "same", timeout=200) == ["computed True"] * 2
 
 
 def test_freezing_and_unfreezing_between_steps_trains_like_one_process():

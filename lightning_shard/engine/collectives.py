@@ -246,5 +246,10 @@ def fingerprint(values: list[int]) -> int:
     """A hash of a list of small ints that fits int64, for agreements: ranks compare ``[h, -h]`` under MAX."""
     value = 0
     for i in values:
-        value = (value * 1_000_003 + i + 1) % (2**61 - 1)
+        value = fingerprint_step(value, i)
     return value
+
+
+def fingerprint_step(value: int, i: int) -> int:
+    """:func:`fingerprint` of a list from that of the list without its last value ``i``."""
+    return (value * 1_000_003 + i + 1) % (2**61 - 1)

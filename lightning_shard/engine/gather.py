@@ -15,6 +15,7 @@ from __future__ import annotations
 import warnings
 from typing import Callable, Optional
 
+import torch
 import torch.distributed as dist
 
 from lightning_shard.engine import collectives
@@ -41,6 +42,8 @@ class GatherSchedule:
         self._nothing_to_prefetch = False  # every unit of the order is its shard, or a cast made when it is gathered
         self._gathered_storage: dict[int, Unit] = {}  # data pointer of a gathered buffer -> its unit (tracked or not)
         self.track_storage = False  # backward elision asks which unit a saved tensor belongs to
+        # the units all-gathered since the ranks last compared them, hashed in issue order (take_issued)
+        self._issued = 0
 
     def note(self, op: str, unit: Unit) -> None:
         if self.trace is not None:
@@ -72,10 +75,26 @@ class GatherSchedule:
                 streams.writes(("gathered", unit.name))
                 unit.inflight = Pending(None, buffer, self.stats)
             else:
+                self._issued = collectives.fingerprint_step(self._issued, unit.index)
                 unit.inflight = collectives.all_gather(
                     buffer, storage.shard_for_gather(), self.group, self.stats, async_op=True,
                     label=f"all-gather of unit {unit.name!r}",
                 )
+
+    def take_issued(self) -> int:
+        """A hash of the units all-gathered since the last call, in issue order, for the ranks to compare: where a
+        unit ran on some ranks only (a module called on some ranks' data, in a unit of its own), an all-gather of one
+        unit met another's of the same size on another rank, and each rank computed with the other's shards."""
+        issued, self._issued = self._issued, 0
+        return issued
+
+    def compare_issued(self, group: Optional[dist.ProcessGroup]) -> None:
+        """Every rank of ``group``: raise where the ranks all-gathered different units since the last comparison."""
+        issued = self.take_issued()
+        high, low = collectives.agree(torch.tensor([issued, -issued]), group, self.stats,
+                                      label="agreement on the units gathered").tolist()
+        if high != -low:
+            raise different_gathers()
 
     def _land(self, unit: Unit) -> None:
         """The unit's all-gather completes on the gather stream, whose work compute then waits for."""
@@ -175,3 +194,11 @@ class GatherSchedule:
             )
         self.order, self._backward_order = current, current[::-1]
         self._nothing_to_prefetch = all(u.storage.aliases_shard or u.storage.casts_on_compute for u in current)
+
+
+def different_gathers() -> RuntimeError:
+    return RuntimeError(
+        "lightning_shard: the ranks all-gathered different units, so a rank computed with another unit's shards. A"
+        " module called on some ranks only (routed experts held as modules of their own, a branch taken on some"
+        " ranks' data) is in a unit of its own: keep it in the unit of the module that calls it, by naming that"
+        " module's class in `units=` (the MoE block, say), or with a larger `unit_size`.")

@@ -88,6 +88,7 @@ class ShardRuntime(HeldUnits, ModelEntries, RuntimeOptimizers, RuntimeNorms, Mod
                                        self.world_size, self.stats)
         self.reducer = GradientReducer(units, groups, reduce_dtype, self.stats, self.schedule)
         self._depth = 0  # nesting of steps / root forwards
+        self._joined_by_all = False  # the step now running is run by every rank (_enter_step)
         self._final_callback_queued = False  # a backward is running
         # a create_graph=True backward ran: its graph reads the gathered buffers again (a penalty backpropagated with the
         # loss, or after it), so none is freed until an optimizer step (forwards in between gather the same values into
@@ -151,6 +152,7 @@ class ShardRuntime(HeldUnits, ModelEntries, RuntimeOptimizers, RuntimeNorms, Mod
         if self._depth == 0 and self._final_callback_queued and not in_backward():
             self._recover_from_failed_backward()
         if self._depth == 0 and not self._final_callback_queued:
+            self._joined_by_all = step and self.groups.shard_size > 1  # every rank runs it: may agree at its end
             if not self.reducer.left_unreduced:
                 refuse_unseen_gradients(self.units, self.reducer, "a step's start")
             # a previous step that ran no backward may have left units gathered: their data may be stale
@@ -188,6 +190,8 @@ class ShardRuntime(HeldUnits, ModelEntries, RuntimeOptimizers, RuntimeNorms, Mod
         if not expects_backward(output):
             for unit in self.units:
                 self.schedule.reshard(unit, keep_storage=self._backward_graph_kept)
+            if self._joined_by_all:  # (a backward compares them as it ends)
+                self.schedule.compare_issued(self.groups.agreements)
         elif self.root_unit is not None:  # gathered again should a backward begin after one freed it (retain_graph)
             watch_outputs(output, lambda _: self._pre_backward(self.root_unit))
 

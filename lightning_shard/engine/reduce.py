@@ -36,7 +36,7 @@ from torch import Tensor
 
 from lightning_shard.engine import collectives
 from lightning_shard.engine.collectives import CommStats, Pending
-from lightning_shard.engine.gather import GatherSchedule
+from lightning_shard.engine.gather import GatherSchedule, different_gathers
 from lightning_shard.engine.groups import ShardGroups
 from lightning_shard.engine.streams import Streams
 from lightning_shard.engine.unit import Unit
@@ -202,12 +202,15 @@ class GradientReducer:
             # parameter the others train, its zeros were averaged in as a gradient), and that they reduced the
             # units in the same order (where a unit's backward ran on some ranks only, they summed unrelated
             # gradients)
+            # and that they all-gathered the same units (gather.py: take_issued)
             order = collectives.fingerprint([self.units.index(r.unit) for r in reduced])
-            trained = self._trained()
-            checks = [trained, -trained, order, -order]
+            trained, gathered = self._trained(), self.schedule.take_issued()
+            checks = [trained, -trained, order, -order, gathered, -gathered]
             agreed = collectives.agree(torch.tensor(used_anywhere + checks, dtype=torch.int64), self.agreements,
                                        self.stats, label="agreement on the parameters used").tolist()
-            used_anywhere, (high, low, order_high, order_low) = agreed[:-4], agreed[-4:]
+            used_anywhere, (high, low, order_high, order_low, gathered_high, gathered_low) = agreed[:-6], agreed[-6:]
+            if gathered_high != -gathered_low:
+                raise different_gathers()
             if high != -low:
                 raise _different_trainables()
             if order_high != -order_low:

@@ -134,6 +134,7 @@ def shard_module(
         del flat
         storage.use_shards()
         unit = Unit(plan.name, members, storage, reshard_after_forward=sharding in ("full", "hybrid") and not is_root)
+        unit.index = len(built)
         built.append(unit)
         if is_root:
             root_unit = unit

@@ -13,6 +13,7 @@ from lightning_shard.engine.flat_shard import FlatShard
 class Unit:
     def __init__(self, name: str, members: list[nn.Module], storage: FlatShard, reshard_after_forward: bool):
         self.name = name
+        self.index = -1  # its place among the model's units, the same on every rank (shard_module sets it)
         self.members = members
         self.storage = storage
         self.reshard_after_forward = reshard_after_forward
