@@ -21,7 +21,8 @@ VOCAB = 96
 def model_class(kind: str):
     import transformers
 
-    return getattr(transformers, {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[kind])
+    return getattr(transformers, {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                                  "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration"}[kind])
 
 
 def config(kind: str):
@@ -31,6 +32,11 @@ def config(kind: str):
                   max_position_embeddings=64, num_experts_per_tok=2, attn_implementation="eager")
     if kind == "mixtral":
         return transformers.MixtralConfig(intermediate_size=24, num_local_experts=4, **common)
+    if kind == "qwen3_vl_moe":  # experts fused in its files too, a transpose where their shapes differ: down_proj square
+        text = dict(common, intermediate_size=24, moe_intermediate_size=16, num_experts=4, head_dim=4,
+                    rope_scaling={"rope_type": "default", "mrope_section": [1, 1, 0]})
+        return transformers.Qwen3VLMoeConfig(text_config=text, vision_config=dict(
+            depth=1, hidden_size=16, intermediate_size=24, num_heads=2, out_hidden_size=16, deepstack_visual_indexes=[0]))
     return transformers.Qwen3MoeConfig(intermediate_size=24, moe_intermediate_size=20, num_experts=5, head_dim=8,
                                        norm_topk_prob=True, **common)
 
@@ -104,6 +110,16 @@ def round_trip(rank: int, world: int, kind: str, folder: str, out: str) -> dict:
         report["merged_names"] = sorted(tensors(out / "merged")) == sorted(original)
     dist.barrier()
     return report
+
+
+def load_and_export(rank: int, world: int, kind: str, folder: str, out: str) -> tuple:
+    """The folder into a sharded model and straight out again: what load_pretrained returned."""
+    torch.manual_seed(100 + rank)
+    model = model_class(kind)(config(kind))
+    shard_module(model, unit_size=3000)
+    loaded = load_pretrained(model, folder)
+    save_pretrained(model, out)
+    return loaded
 
 
 def missing_expert(rank: int, world: int, folder: str) -> str:

@@ -35,6 +35,18 @@ def test_an_moe_folder_loads_by_slices_and_exports_as_transformers_writes_it(tmp
     assert report["merged_names"] and report["merged"] <= 1e-5, report
 
 
+def test_a_folder_whose_experts_are_fused_on_disk_too_loads_and_exports_as_it_is(tmp_path):
+    """Qwen3-VL-MoE: transformers 5 writes its experts fused, and converts them with a transpose only where their
+    shapes differ from the model's; the export must compare with full shapes, not the 1-D shards (a square
+    ``down_proj`` was written transposed)."""
+    folder = tmp_path / "hub"
+    scenarios.write_folder("qwen3_vl_moe", str(folder))
+    assert run_world(scenarios.load_and_export, 2, "qwen3_vl_moe", str(folder), str(tmp_path / "out"),
+                     timeout=300) == [([], [])] * 2
+    original, exported = scenarios.tensors(folder), scenarios.tensors(tmp_path / "out")
+    assert sorted(exported) == sorted(original) and all(torch.equal(original[k], exported[k]) for k in original)
+
+
 def test_unsharded_loads_and_checkpoint_exports_convert_too(tmp_path):
     folder = tmp_path / "hub"
     scenarios.write_folder("mixtral", str(folder))

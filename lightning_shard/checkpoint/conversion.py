@@ -17,6 +17,7 @@ Transformers < 5 converts nothing; neither does this.
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import tempfile
@@ -62,18 +63,19 @@ def as_model_names(source: Any, model: nn.Module) -> Any:
     shapes: dict[str, torch.Size] = {}
     fused: dict[str, tuple[Any, dict[tuple[int, int], str]]] = {}
     for name in sorted(source.names()):
-        renamed = name
+        renamed, pattern = name, None
         for renaming in renamings:
             renamed, _ = renaming.rename_source_key(renamed)
         for converter in converters:
             target, pattern = converter.rename_source_key(renamed)
             if pattern is not None:
-                fused.setdefault(target, (converter, {}))[1][(_expert(renamed, pattern, name), 
-                                                              converter.source_patterns.index(pattern))] = name
                 break
-        else:
+        expert = _expert(renamed, pattern, converter) if pattern is not None else None
+        if expert is None:  # no conversion, or one this cannot read by slices: the name as renamed
             _add(parts, renamed, [name])
             shapes[renamed] = source.shape(name)
+        else:
+            fused.setdefault(target, (converter, {}))[1][(expert, converter.source_patterns.index(pattern))] = name
     for target, (converter, pieces) in fused.items():
         _add(parts, target, _fused_parts(source, target, converter, pieces))
         shapes[target] = _fused_shape(source, parts[target], len(converter.source_patterns))
@@ -82,13 +84,16 @@ def as_model_names(source: Any, model: nn.Module) -> Any:
     return ConvertedSource(source, parts, shapes)
 
 
-def _expert(renamed: str, pattern: str, name: str) -> int:
-    """The expert's number in a file's name, where the converter's pattern has its ``*``."""
+def _expert(renamed: str, pattern: str, converter: Any) -> Optional[int]:
+    """The expert's number in a file's name, where the converter's pattern has its ``*``; None for a converter
+    that does not stack experts (a transpose, a split: transformers 5.24 writes those models' files as they are
+    in memory, and their shapes are checked as any other's)."""
+    ops = [(type(op).__name__, getattr(op, "dim", None)) for op in converter.operations]
+    if ops not in (_STACKED, _STACKED_AND_JOINED) or len(converter.target_patterns) != 1 \
+            or (ops == _STACKED) != (len(converter.source_patterns) == 1):
+        return None
     found = re.search(re.escape(pattern).replace(r"\*", r"(\d+)"), renamed)
-    if found is None or not found.groups():
-        raise CheckpointError(f"load_pretrained: transformers converts {name!r} by the pattern {pattern!r}, which"
-                              " names no expert: load_pretrained cannot read it by slices.")
-    return int(found.group(1))
+    return int(found.group(1)) if found is not None and found.groups() else None
 
 
 def _add(parts: dict[str, list[str]], target: str, names: list[str]) -> None:
@@ -101,14 +106,7 @@ def _add(parts: dict[str, list[str]], target: str, names: list[str]) -> None:
 def _fused_parts(source: Any, target: str, converter: Any, pieces: dict[tuple[int, int], str]) -> list[str]:
     """The files' names whose values, flattened one after another, are ``target``'s: expert by expert, each
     expert's projections in the converter's order."""
-    ops = [(type(op).__name__, getattr(op, "dim", None)) for op in converter.operations]
     patterns = len(converter.source_patterns)
-    examples = sorted(pieces.values())[:2]
-    if len(converter.target_patterns) != 1 or ops not in (_STACKED, _STACKED_AND_JOINED) \
-            or (ops == _STACKED) != (patterns == 1):
-        raise CheckpointError(f"load_pretrained: transformers makes {target!r} from the files' {examples} with"
-                              f" {ops}; load_pretrained reads stacked experts ({_STACKED}, or with their projections"
-                              f" joined: {_STACKED_AND_JOINED}) only. Load this model with from_pretrained.")
     experts = 1 + max(e for e, _ in pieces)
     absent = [(e, p) for e in range(experts) for p in range(patterns) if (e, p) not in pieces]
     if absent:
@@ -202,9 +200,11 @@ class FileNames:
 
     def __init__(self, model: Optional[nn.Module]) -> None:
         from_files = transforms(model) if model is not None else []
-        one_each = all(len(getattr(t, "target_patterns", ())) <= 1 for t in from_files)
-        self.model = model.get_base_model() if hf.is_peft_model(model) else model
-        self.converts = bool(from_files) and one_each
+        self.converts = bool(from_files) and all(len(getattr(t, "target_patterns", ())) <= 1 for t in from_files)
+        # a copy on the meta device: some conversions compare with the model's shapes (a transpose where they differ),
+        # and a sharded model's parameters are 1-D shards between steps
+        self.model = _meta_copy(model.get_base_model() if hf.is_peft_model(model) else model) if self.converts else None
+        self.converts = self.model is not None
 
     def __call__(self, name: str, tensor: Tensor) -> list[tuple[str, Tensor]]:
         if not self.converts:
@@ -213,6 +213,17 @@ class FileNames:
 
         out = revert_weight_conversion(self.model, {name: tensor})
         return [(n, t if t is tensor or _owns_storage(t) else t.clone()) for n, t in out.items()]
+
+
+def _meta_copy(model: nn.Module) -> Optional[nn.Module]:
+    try:
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return type(model)(copy.deepcopy(model.config))
+    except Exception as err:  # noqa: BLE001 - a model built otherwise: its names stay, as transformers 5 loads them
+        warnings.warn(f"lightning_shard: {type(model).__name__} could not be built from its config ({err}); its export"
+                      " keeps the names it has in memory, which transformers 5's from_pretrained loads.")
+        return None
 
 
 def _owns_storage(tensor: Tensor) -> bool:
