@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -63,11 +64,12 @@ def _logits(model: nn.Module) -> torch.Tensor:
         return model(input_ids=ids, use_cache=False).logits
 
 
-def _train(model: nn.Module, rank: int, world: int) -> None:
+def _train(model: nn.Module, rank: int, world: int, rows: int = 0) -> None:
+    """Three AdamW steps on this rank's part of a global batch of ``rows`` (2 per rank)."""
     g = torch.Generator().manual_seed(5)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     for _ in range(3):
-        ids = torch.randint(0, VOCAB, (2 * world, 12), generator=g).chunk(world)[rank]
+        ids = torch.randint(0, VOCAB, (rows or 2 * world, 12), generator=g).chunk(world)[rank]
         model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -130,3 +132,37 @@ def missing_expert(rank: int, world: int, folder: str) -> str:
     except Exception as err:  # noqa: BLE001 - the message is what is tested
         return f"{type(err).__name__}: {err}"
     return "loaded"
+
+
+def lora_on_experts(rank: int, world: int, folder: str, out: str, unit_size: Optional[int]) -> dict:
+    """LoRA on the fused experts (peft's ``target_parameters``, which re-parametrizes them at every forward), a unit
+    per layer or units cut inside the layers: trained against one process on the global batch, its adapter
+    exported."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    def adapted(model: nn.Module) -> nn.Module:
+        torch.manual_seed(7)  # the same adapter's start everywhere
+        return get_peft_model(model, LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0, target_modules=["q_proj"],
+                                                target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reference = adapted(AutoModelForCausalLM.from_pretrained(folder))
+        torch.manual_seed(100 + rank)
+        model = adapted(model_class("mixtral")(config("mixtral")))
+    shard_module(model, unit_size=unit_size)
+    report = {"loaded_keys": load_pretrained(model, folder)}
+    _train(model, rank, world)
+    _train(reference, 0, 1, rows=2 * world)  # the global batch in one process
+    report["against_one_process"] = float((_logits(model) - _logits(reference)).abs().max())
+    save_pretrained(model, Path(out) / "adapter")
+    try:
+        save_pretrained(model, Path(out) / "merged", merged=True)
+    except ValueError as err:
+        report["merged"] = str(err)
+    if rank == 0:
+        reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(folder), Path(out) / "adapter")
+        report["adapter"] = float((_logits(reloaded) - _logits(reference)).abs().max())
+    dist.barrier()
+    return report

@@ -47,6 +47,16 @@ def test_a_folder_whose_experts_are_fused_on_disk_too_loads_and_exports_as_it_is
     assert sorted(exported) == sorted(original) and all(torch.equal(original[k], exported[k]) for k in original)
 
 
+@pytest.mark.parametrize("unit_size", [None, 1500])
+def test_lora_on_the_fused_experts_trains_like_one_process_and_exports_its_adapter(tmp_path, unit_size):
+    folder = tmp_path / "hub"
+    scenarios.write_folder("mixtral", str(folder))
+    report = run_world(scenarios.lora_on_experts, 2, str(folder), str(tmp_path / "out"), unit_size, timeout=300)[0]
+    assert report["loaded_keys"] == ([], [])  # the base's per-expert files into the wrapped fused experts
+    assert report["against_one_process"] <= 1e-6 and report["adapter"] <= 1e-6, report
+    assert report["merged"].startswith("save_pretrained: `merged=True` cannot merge the adapter of"), report
+
+
 def test_unsharded_loads_and_checkpoint_exports_convert_too(tmp_path):
     folder = tmp_path / "hub"
     scenarios.write_folder("mixtral", str(folder))

@@ -232,6 +232,11 @@ def _lora_layers(model: nn.Module, adapter: Optional[str]) -> dict[str, Any]:
     for path, layer in model.named_modules():
         if not (hasattr(layer, "get_delta_weight") and hasattr(layer, "get_base_layer")):
             continue
+        if getattr(layer, "parameter_name", None) is not None:  # peft's ParamWrapper (`target_parameters`)
+            raise ValueError(f"save_pretrained: `merged=True` cannot merge the adapter of {path!r} yet: it adapts the"
+                             f" parameter {layer.parameter_name!r} (peft's `target_parameters`, LoRA on fused"
+                             " experts). Export the adapter alone (the default) and merge it with peft"
+                             " (`merge_and_unload`) in one process.")
         if getattr(layer, "use_dora", {}).get(adapter, False):
             raise ValueError(f"save_pretrained: `merged=True` merges LoRA adapters; {path!r} uses DoRA. Merge with"
                              " peft (`merge_and_unload`) in one process, or export the adapter alone.")

@@ -89,8 +89,11 @@ class FlatShard:
         self._grad_split.append(self.shard_numel - sum(self._grad_split))
         self._padding = self.padded_numel - sum(s.numel for s in slots)
         self.shard_params = [self._make_shard_param(s) for s in slots]
+        # each under its own version counter too (``.data``), as separate parameters are: an in-place write to one (the
+        # ``set_`` of torch's parametrize, which peft's LoRA on a parameter registers at every forward) leaves the
+        # others, which autograd may have saved, valid
         self.gathered_params = [
-            nn.Parameter(self.gathered[s.offset : s.offset + s.numel].view(s.shape), requires_grad=s.requires_grad)
+            nn.Parameter(self.gathered[s.offset : s.offset + s.numel].view(s.shape).data, requires_grad=s.requires_grad)
             for s in slots
         ]
         self.free()  # views exist now; the storage comes back at the first gather

@@ -10,6 +10,7 @@ that encloses all of them, so it is gathered whenever any of its users runs.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Optional, Union
@@ -226,7 +227,14 @@ def _is_block(module: nn.Module) -> bool:
 
 def _splittable(module: nn.Module) -> bool:
     builtin = type(module).__module__.startswith("torch.nn") and not isinstance(module, _CONTAINERS)
-    return not builtin and any(_has_params(c) for c in module.children())
+    return not builtin and not _reads_children_uncalled(module) and any(_has_params(c) for c in module.children())
+
+
+def _reads_children_uncalled(module: nn.Module) -> bool:
+    """peft's adapter layers read their adapters' weights without calling them (LoRA on a parameter, DoRA's
+    magnitudes): each stays in one unit with what it wraps."""
+    tuners = sys.modules.get("peft.tuners.tuners_utils")
+    return tuners is not None and isinstance(module, tuners.BaseTunerLayer)
 
 
 def _subtree_numel(module: nn.Module) -> int:
@@ -241,7 +249,8 @@ def _pack_by_size(root: nn.Module, budget: int) -> list[list[str]]:
 
     Note: a unit's hooks fire only when its members are *called*. ``torch.nn`` built-ins other than
     containers are therefore never split (``nn.MultiheadAttention`` reads ``out_proj.weight`` without
-    calling ``out_proj``); user modules that do the same should be wrapped by class instead.
+    calling ``out_proj``), nor peft's adapter layers; user modules that do the same should be wrapped by class
+    instead.
     """
     groups: list[list[str]] = []
 
