@@ -323,3 +323,23 @@ def edges(rank: int, world: int, base: str, work: str) -> dict:
             report[case] = f"{type(err).__name__}: {err}"
     dist.barrier()
     return report
+
+
+def base_folder_into_a_task_model(rank: int, world: int, folder: str) -> dict:
+    """A folder saved from ``LlamaModel`` (no head, no ``model.`` prefix) into a sharded module holding an untied
+    ``LlamaForCausalLM``, as ``from_pretrained`` takes it: the base filled, the head as it was built."""
+    from transformers import LlamaForCausalLM, LlamaModel
+
+    holder = nn.Module()
+    torch.manual_seed(0)  # every rank builds the same head
+    holder.model = LlamaForCausalLM(llama_config(tied=False))
+    head = holder.model.lm_head.weight.detach().clone()
+    shard_module(holder)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = load_pretrained(holder, folder)
+    full = full_state_dict(holder._shard_runtime, rank0_only=False)
+    saved = LlamaModel.from_pretrained(folder).state_dict()
+    return {"loaded": loaded, "base": all(torch.equal(full[f"model.model.{k}"], v) for k, v in saved.items()),
+            "head": torch.equal(full["model.lm_head.weight"], head),
+            "warned": [str(w.message) for w in caught if "holds the base model" in str(w.message)]}

@@ -54,6 +54,19 @@ def test_folders_that_do_not_fit_are_named(base, tmp_path):
     assert "holds no weights: a Hugging Face model folder has one of" in errors[2]
 
 
+def test_a_base_models_folder_fills_the_base_of_a_task_model_and_leaves_its_head(tmp_path):
+    from transformers import LlamaModel
+
+    torch.manual_seed(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        LlamaModel(scenarios.llama_config(tied=False)).save_pretrained(tmp_path / "base_model")
+    reports = run_world(scenarios.base_folder_into_a_task_model, 2, str(tmp_path / "base_model"), timeout=300)
+    assert all(r["loaded"] == ([], []) and r["base"] and r["head"] for r in reports), reports
+    assert len(reports[0]["warned"]) == 1 and "['model.lm_head.weight'] keep their initial values" in reports[0]["warned"][0]
+    assert reports[1]["warned"] == []  # rank 0 says it
+
+
 def test_a_lora_run_checkpoints_the_adapter_alone_resumes_exactly_and_refuses_another_base(base, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

@@ -43,8 +43,10 @@ def load_pretrained(module: nn.Module, path: Union[str, Path], strict: bool = Tr
     with open_weights(path) as source:
         in_model = {n for n, _ in module.named_parameters(remove_duplicate=False)}
         in_model |= {n for n, _ in _persistent_buffers(module)}
+        # the module itself, each transformers or peft model in it, and each one's base model (a folder saved from
+        # `BertModel` into a `BertForSequenceClassification`, as from_pretrained takes it: the head stays as it is)
         candidates = [prefix] if prefix is not None else list(dict.fromkeys(
-            ["", *(p for p, _ in hf.find_all_pretrained(module))]))
+            ["", *(p for p, _ in hf.find_all_pretrained(module)), *_base_models(module)]))
         if adapter_folder:  # only a peft model takes an adapter
             candidates = [p for p in candidates if hf.is_peft_model(_at(module, p))]
             if not candidates:
@@ -70,7 +72,12 @@ def load_pretrained(module: nn.Module, path: Union[str, Path], strict: bool = Tr
             missing, unexpected = load_into(runtime, source, strict=strict, not_expected=not_expected)
         else:
             missing, unexpected = _load_unsharded(module, source, strict, not_expected)
-    if (missing or unexpected) and (not dist.is_initialized() or dist.get_rank() == 0):
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    fresh = _outside_base(module, prefix) if prefix in _base_models(module) else []
+    if fresh and rank0:
+        warnings.warn(f"load_pretrained: {str(path)!r} holds the base model at {prefix.rstrip('.')!r} alone;"
+                      f" {fresh[:8]} keep their initial values, as from_pretrained leaves them: train them.")
+    if (missing or unexpected) and rank0:
         warnings.warn(f"load_pretrained({str(path)!r}, strict=False) skipped: {len(missing)} weights of the module"
                       f" not in the files {missing[:8]}, {len(unexpected)} in the files not in the module"
                       f" {unexpected[:8]}.")
@@ -99,6 +106,26 @@ def _model_names(module: nn.Module, prefix: str, names: list[str], in_model: set
     renamed = {ours: name for name in names for ours in by_file.get(name, [prefix + name])}
     mapped = {ours for ours_all in by_file.values() for ours in ours_all}
     return renamed, lambda name: name not in mapped
+
+
+def _base_models(module: nn.Module) -> list[str]:
+    """The prefixes of the base models inside the transformers models of ``module`` (``"model.bert."``)."""
+    found = []
+    for p, model in hf.find_all_pretrained(module):
+        base = getattr(model, "base_model_prefix", "")
+        if hf.is_transformers_model(model) and base and isinstance(getattr(model, base, None), nn.Module):
+            found.append(f"{p}{base}.")
+    return found
+
+
+def _outside_base(module: nn.Module, base: str) -> list[str]:
+    """The weights of the transformers model holding the base model at ``base`` that are not the base's (its
+    head; a head tied to the base's embedding is the base's)."""
+    owner = base[: base.rstrip(".").rfind(".") + 1]
+    names: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return sorted(n[0] for n in names.values() if n[0].startswith(owner) and not any(x.startswith(base) for x in n))
 
 
 def _at(module: nn.Module, prefix: str) -> nn.Module:
