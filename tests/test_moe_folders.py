@@ -54,7 +54,7 @@ def test_lora_on_the_fused_experts_trains_like_one_process_and_exports_its_adapt
     report = run_world(scenarios.lora_on_experts, 2, str(folder), str(tmp_path / "out"), unit_size, timeout=300)[0]
     assert report["loaded_keys"] == ([], [])  # the base's per-expert files into the wrapped fused experts
     assert report["against_one_process"] <= 1e-6 and report["adapter"] <= 1e-6, report
-    assert report["merged"].startswith("save_pretrained: `merged=True` cannot merge the adapter of"), report
+    assert report["merged"] <= 1e-6 and report["merged_names"], report
 
 
 def test_unsharded_loads_and_checkpoint_exports_convert_too(tmp_path):

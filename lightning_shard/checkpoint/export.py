@@ -194,14 +194,14 @@ class _Exporter:
         return (untied or names)[0]
 
     def _merge_ready(self) -> Iterator[tuple[str, Tensor]]:
-        for path, (layer, needs) in list(self.layers["by_layer"].items()):
+        for path, (layer, needs, base_name) in list(self.layers["by_layer"].items()):
             if all(n in self.held for n in needs):
                 values = [self.held.pop(n) for n in needs]
                 with registered([(slot, nn.Parameter(v, requires_grad=False)) for slot, v in values]):
-                    base = layer.get_base_layer().weight
+                    base = _base_param(layer)
                     merged = base + layer.get_delta_weight(self.adapter).to(base.dtype)
                 del self.layers["by_layer"][path]
-                yield hf.base_name(f"{path}.base_layer.weight" if path else "base_layer.weight"), self._cast(merged)
+                yield hf.base_name(f"{path}.{base_name}" if path else base_name), self._cast(merged)
 
     def _buffers(self) -> Iterator[tuple[str, Tensor]]:
         for owner, sub in self.model.named_modules():
@@ -228,29 +228,34 @@ def _lora_layers(model: nn.Module, adapter: Optional[str]) -> dict[str, Any]:
     tied = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         tied.setdefault(id(param), []).append(name)
-    by_layer: dict[str, tuple[nn.Module, list[str]]] = {}
+    by_layer: dict[str, tuple[nn.Module, list[str], str]] = {}
     for path, layer in model.named_modules():
         if not (hasattr(layer, "get_delta_weight") and hasattr(layer, "get_base_layer")):
             continue
-        if getattr(layer, "parameter_name", None) is not None:  # peft's ParamWrapper (`target_parameters`)
-            raise ValueError(f"save_pretrained: `merged=True` cannot merge the adapter of {path!r} yet: it adapts the"
-                             f" parameter {layer.parameter_name!r} (peft's `target_parameters`, LoRA on fused"
-                             " experts). Export the adapter alone (the default) and merge it with peft"
-                             " (`merge_and_unload`) in one process.")
         if getattr(layer, "use_dora", {}).get(adapter, False):
             raise ValueError(f"save_pretrained: `merged=True` merges LoRA adapters; {path!r} uses DoRA. Merge with"
                              " peft (`merge_and_unload`) in one process, or export the adapter alone.")
+        # the weight it adapts: a layer's own, or a parameter (peft's `target_parameters`, LoRA on fused experts,
+        # whose wrappers nest: each merges its adapter's weights, not those of the wrappers inside it)
+        base_param = _base_param(layer)
+        base_name = next((n for n, p in layer.named_parameters() if p is base_param), "base_layer.weight")
         own = [f"{path}.{n}" if path else n for n, _ in layer.named_parameters()
-               if adapter in n.split(".") or n == "base_layer.weight"]
+               if (adapter in n.split(".") and not n.startswith("base_layer.")) or n == base_name]
         if len(own) < 2:
             continue
-        base = tied.get(id(getattr(layer.get_base_layer(), "weight", None)), [])
+        base = tied.get(id(base_param), [])
         if len(base) > 1:
             raise ValueError(f"save_pretrained: `merged=True` would merge the adapter of {path!r} into a weight tied"
                              f" to {[n for n in base if not n.startswith(path)][:2]}, untying them. Export the"
                              " adapter alone (the default), or merge with peft in one process.")
-        by_layer[path] = (layer, own)
-    return {"by_layer": by_layer, "needs": {n for _, own in by_layer.values() for n in own}}
+        by_layer[path] = (layer, own, base_name)
+    return {"by_layer": by_layer, "needs": {n for _, own, _ in by_layer.values() for n in own}}
+
+
+def _base_param(layer: nn.Module) -> Optional[Tensor]:
+    """The weight a peft layer adapts: its base layer's ``weight``, or the parameter peft's ``ParamWrapper`` names."""
+    name = getattr(layer, "parameter_name", None)
+    return getattr(layer.get_base_layer(), name or "weight", None)
 
 
 def _write_adapter(module: nn.Module, model: nn.Module, prefix: str, adapter: str, folder: Optional[Path],
