@@ -24,16 +24,17 @@ class Routed(nn.Module):
 
 
 def experts_of_their_own(rank: int, world: int, case: str) -> str:
-    """``case``: "train", "frozen" (the experts frozen: no reduction tells), "eval" (no backward), or "same" (every
-    rank routed to expert 1: the control, against one process). The error, or what the control computed."""
+    """``case``: "train", "frozen" (the experts frozen: no reduction tells), "inputs" (everything frozen, a backward
+    to the inputs: nothing reduced), "eval" (no backward), or "same" (every rank routed to expert 1: the control,
+    against one process). The error, or what the control computed."""
     torch.manual_seed(0)
     model = Routed()
-    if case == "frozen":
-        model.experts.requires_grad_(False)
+    if case in ("frozen", "inputs"):
+        (model.experts if case == "frozen" else model).requires_grad_(False)
     plain = copy.deepcopy(model)
     shard_module(model, units=["Linear"])  # each expert a unit of its own
     expert = 1 if case == "same" else rank
-    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank), requires_grad=case == "inputs")
     try:
         with torch.set_grad_enabled(case != "eval"):
             loss = model(x, expert)
@@ -42,3 +43,26 @@ def experts_of_their_own(rank: int, world: int, case: str) -> str:
     except RuntimeError as err:
         return str(err)
     return f"computed {torch.equal(loss.detach(), plain(x, expert).detach())}"
+
+
+def raising_on_one_rank(rank: int, world: int, grad: bool) -> tuple[str, float]:
+    """A step that raises on rank 1 only (a bad batch), with or without a backward to come: that rank's error at
+    once, not an agreement the other ranks never join (waited out until the process-group timeout)."""
+    import time
+
+    model = Routed()
+    runtime = shard_module(model, units=["Linear"])
+    start = time.monotonic()
+
+    def step() -> torch.Tensor:
+        if rank == 1:
+            raise ValueError("a bad batch on rank 1")
+        return model(torch.randn(4, 8), 0)
+
+    try:
+        with torch.set_grad_enabled(grad):
+            runtime.run_step(step)
+            runtime.run_step(step)
+    except Exception as err:  # noqa: BLE001 - what each rank sees is the test
+        return f"{type(err).__name__}: {err}"[:60], time.monotonic() - start
+    return "finished", time.monotonic() - start

@@ -72,7 +72,7 @@ def test_a_units_backward_on_some_ranks_only_is_an_error_not_a_silent_swap():
     assert str(failure.value).count("ranks reduced the units' gradients in different orders") == 2
 
 
-@pytest.mark.parametrize("case", ["train", "frozen", "eval"])
+@pytest.mark.parametrize("case", ["train", "frozen", "inputs", "eval"])
 def test_units_run_on_some_ranks_only_are_an_error_not_a_silent_swap(case):
     """Each rank routed to another expert held in a unit of its own: the experts' all-gathers are alike, so each
     rank would compute with the other's shards. Frozen experts reduce nothing, and evaluation runs no backward:
@@ -80,6 +80,14 @@ def test_units_run_on_some_ranks_only_are_an_error_not_a_silent_swap(case):
     errors = run_world(routed_scenarios.experts_of_their_own, 2, case, timeout=200)
     assert all(e.startswith("lightning_shard: the ranks all-gathered different units") for e in errors), errors
     assert run_world(routed_scenarios.experts_of_their_own, 2, "same", timeout=200) == ["computed True"] * 2
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_step_raising_on_one_rank_raises_there_at_once(grad):
+    """Its own error, at once: not an agreement at the step's end that the other ranks never join, waited out
+    until the process-group timeout and reported in place of the error."""
+    results = run_world(routed_scenarios.raising_on_one_rank, 2, grad, timeout=200, pg_timeout=60)
+    assert results[1][0] == "ValueError: a bad batch on rank 1" and results[1][1] < 20, results
 
 
 def test_freezing_and_unfreezing_between_steps_trains_like_one_process():

@@ -62,6 +62,25 @@ def test_unit_size_never_splits_a_torch_builtin():
     assert "attn.out_proj" not in [m for p in plans for m in p.members]
 
 
+def test_unit_size_packs_the_modules_of_a_module_list_not_the_list():
+    """A ``ModuleList`` is never called: as a unit's member, its unit would never be gathered."""
+    model = nn.Module()
+    model.first, model.experts, model.last = nn.Linear(4, 4), nn.ModuleList([nn.Linear(4, 4)] * 1 + [nn.Linear(4, 4)]), \
+        nn.Linear(4, 4)  # 20 parameters each
+    assert [p.members for p in plan_units(model, unit_size=50)[:-1]] == [["first"], ["experts.0", "experts.1"], ["last"]]
+
+
+@pytest.mark.parametrize("kwargs", [{"units": [nn.Linear]}, {"units": ["Linear"]}, {"unit_size": 40}])
+def test_peft_adapter_layers_are_never_cut_apart(kwargs):
+    """DoRA (and LoRA on a parameter) read their adapters' and base layer's weights without calling them: nothing
+    inside an adapter layer is a unit of its own, whatever the plan asks."""
+    peft = pytest.importorskip("peft")
+    base = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    model = peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=["0", "2"], use_dora=True))
+    members = [m for p in plan_units(model, **kwargs)[:-1] for m in p.members]
+    assert members and not [m for m in members if ".base_layer" in m or ".lora_" in m], members
+
+
 def test_every_parameter_is_owned_exactly_once():
     model = models.TinyGPT()
     for kwargs in ({}, {"unit_size": 300}, {"units": ["LayerNorm", "Block"]}):

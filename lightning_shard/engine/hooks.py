@@ -20,6 +20,7 @@ from hooks, and their order is the order in which the hooks fire.
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any, Callable, Optional
 
 import torch
@@ -127,15 +128,16 @@ class ShardRuntime(HeldUnits, ModelEntries, RuntimeOptimizers, RuntimeNorms, Mod
         """Run one ``*_step`` as the root's scope (see the module note)."""
         self._steps_driven = True
         self._enter_step(step=True)
-        output = None
+        output, failed = None, True
         try:
             output = step(*args, **kwargs)
+            failed = False
             return output
         except RuntimeError as err:
             explain_mixed_dtype_on_cpu(err, self.units)
             raise
         finally:
-            self._exit_step(output)
+            self._exit_step(output, failed)
 
     def _enter_step(self, step: bool) -> None:
         """``step``: a training/eval step every rank runs (``run_step``, or a root forward where no one calls
@@ -177,7 +179,8 @@ class ShardRuntime(HeldUnits, ModelEntries, RuntimeOptimizers, RuntimeNorms, Mod
             self.elision.start_forward()
         self._depth += 1
 
-    def _exit_step(self, output: Any) -> None:
+    def _exit_step(self, output: Any, failed: bool = False) -> None:
+        """``failed``: the step is raising (on this rank only, maybe): nothing is agreed, the error goes on."""
         if self._depth == 0:  # its _enter_step raised (the root's forward hook runs even so)
             return
         self._depth -= 1
@@ -190,7 +193,7 @@ class ShardRuntime(HeldUnits, ModelEntries, RuntimeOptimizers, RuntimeNorms, Mod
         if not expects_backward(output):
             for unit in self.units:
                 self.schedule.reshard(unit, keep_storage=self._backward_graph_kept)
-            if self._joined_by_all:  # (a backward compares them as it ends)
+            if self._joined_by_all and not failed:  # (a backward compares them as it ends)
                 self.schedule.compare_issued(self.groups.agreements)
         elif self.root_unit is not None:  # gathered again should a backward begin after one freed it (retain_graph)
             watch_outputs(output, lambda _: self._pre_backward(self.root_unit))
@@ -256,8 +259,8 @@ class ShardRuntime(HeldUnits, ModelEntries, RuntimeOptimizers, RuntimeNorms, Mod
             self._install_root_unit_hooks(eager)
         self._handles.append(self.root.register_forward_pre_hook(
             eager(lambda m, a: self._enter_step(step=not self._steps_driven))))
-        self._handles.append(self.root.register_forward_hook(eager(lambda m, a, out: self._exit_step(out)),
-                                                             always_call=True))
+        self._handles.append(self.root.register_forward_hook(  # (always_call: raising, it runs in an except block)
+            eager(lambda m, a, out: self._exit_step(out, failed=sys.exc_info()[0] is not None)), always_call=True))
 
     def _watch_parameters(self, unit: Unit) -> None:
         """A gradient reaching the unit's gathered parameters says a backward began, where its outputs' hook may not (the

@@ -158,12 +158,17 @@ def _match_classes(root: nn.Module, specs: Optional[Sequence[UnitSpec]]) -> list
     if specs is None:
         return _default_members(root)
     used: set = set()
-    names = []
+    names: list[str] = []
+    tuners: list[str] = []  # peft's adapter layers: what they wrap stays with them (_reads_children_uncalled)
     for name, module in root.named_modules():
         spec = class_matches(module, specs) if module is not root else None
+        inside_tuner = any(name.startswith(t + ".") for t in tuners)
+        if _reads_children_uncalled(module) and not inside_tuner:
+            tuners.append(name)
         if spec is not None:
             used.add(spec)
-            names.append(name)
+            if not inside_tuner:
+                names.append(name)
     unused = [spec if isinstance(spec, str) else spec.__qualname__ for spec in specs if spec not in used]
     if unused:  # a typo would otherwise train the whole model unsharded
         present = sorted({type(m).__name__ for m in root.modules() if m is not root and _has_params(m)})
@@ -262,7 +267,12 @@ def _pack_by_size(root: nn.Module, budget: int) -> list[list[str]]:
             size = _subtree_numel(child)
             if size == 0:
                 continue
-            if size > budget:
+            if isinstance(child, (nn.ModuleList, nn.ModuleDict)):  # never called: its hooks would never fire
+                if current:
+                    groups.append(current)
+                current, current_size = [], 0
+                pack(child, name + ".")
+            elif size > budget:
                 if current:
                     groups.append(current)
                 current, current_size = [], 0

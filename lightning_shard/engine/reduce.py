@@ -188,6 +188,8 @@ class GradientReducer:
                 " parameters between optimizer steps (or use reduce_during_accumulation=False).")
         reduced, self._reduced = self._reduced, []
         if not reduced:
+            if self.sync_grads and self.world_size > 1:  # nothing trains (a backward to the inputs): gathers only
+                self.schedule.compare_issued(self.agreements)
             return
         # one flag per slot, in the units' fixed order: the same layout on every rank, whatever order the
         # reductions completed in (a Python list: a tensor op per unit would cost more than the flags)
