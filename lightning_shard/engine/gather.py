@@ -199,7 +199,7 @@ class GatherSchedule:
 def different_gathers() -> RuntimeError:
     return RuntimeError(
         "lightning_shard: the ranks all-gathered different units (in this step, or in forwards outside the steps since"
-        " the last), so a rank computed with another unit's shards. A"
-        " module called on some ranks only (routed experts held as modules of their own, a branch taken on some"
-        " ranks' data) is in a unit of its own: keep it in the unit of the module that calls it, by naming that"
-        " module's class in `units=` (the MoE block, say), or with a larger `unit_size`.")
+        " the last), so a rank computed with another unit's shards. A module called on some ranks only (routed"
+        " experts held as modules of their own, a branch taken on some ranks' data) is in a unit of its own: keep it"
+        " in the unit of the module that calls it, by naming that module's class in `units=` (the MoE block, say),"
+        " or with a larger `unit_size`.")
