@@ -57,6 +57,24 @@ def test_lora_on_the_fused_experts_trains_like_one_process_and_exports_its_adapt
     assert report["merged"] <= 1e-6 and report["merged_names"], report
 
 
+def test_the_experts_class_under_lora_on_the_experts_names_their_wrapper():
+    """peft's ``target_parameters`` wraps the experts: ``units=[MixtralExperts]`` makes each wrapper a unit (nothing
+    was, silently: the whole model in the root unit), and checkpointing the experts alone is refused (recomputed
+    outside their wrapper, they would compute without the adapter)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    from lightning_shard.engine.activation_checkpointing import checkpoint_targets
+    from lightning_shard.engine.plan import plan_units
+
+    model = get_peft_model(scenarios.model_class("mixtral")(scenarios.config("mixtral")), LoraConfig(
+        r=2, target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    experts = [f"base_model.model.model.layers.{i}.mlp.experts" for i in range(2)]
+    assert [p.name for p in plan_units(model, units=[MixtralExperts])] == [*experts, "<root>"]
+    with pytest.raises(ValueError, match=f"lies inside peft's '{experts[0]}', which adapts its parameter"):
+        checkpoint_targets(model, [], (MixtralExperts,))
+
+
 def test_unsharded_loads_and_checkpoint_exports_convert_too(tmp_path):
     folder = tmp_path / "hub"
     scenarios.write_folder("mixtral", str(folder))

@@ -12,6 +12,8 @@ import warnings
 import pytest
 import torch
 
+from lightning_shard.checkpoint.files import CheckpointError
+from lightning_shard.checkpoint.pretrained import load_pretrained
 from lightning_shard.checkpoint.sharded import read_metadata
 from tests import pretrained_scenarios as scenarios
 from tests.world import run_world
@@ -52,6 +54,8 @@ def test_folders_that_do_not_fit_are_named(base, tmp_path):
         "unexpected ['model.layers.1." in errors[0]
     assert "is a peft adapter folder; it goes into a peft model" in errors[1]
     assert "holds no weights: a Hugging Face model folder has one of" in errors[2]
+    with pytest.raises(CheckpointError, match="has no parameters yet"):  # called before configure_model built it
+        load_pretrained(torch.nn.Module(), base)
 
 
 def test_a_base_models_folder_fills_the_base_of_a_task_model_and_leaves_its_head(tmp_path):

@@ -78,5 +78,5 @@ def check_fingerprints(runtime: ShardRuntime, saved: dict[str, int], where: str)
         raise CheckpointError(
             f"Checkpoint {where!r} was saved without its frozen parameters (ShardStrategy(save_frozen=False)), and"
             f" the model's differ from those it was trained with: {differ[:6]}{' ...' if len(differ) > 6 else ''}"
-            f" ({len(differ)} of {len(saved)}). Load the same base weights (load_pretrained, in configure_model or"
-            " on_fit_start) before restoring it.")
+            f" ({len(differ)} of {len(saved)}). Load the same base weights (load_pretrained in"
+            " on_fit_start, once the model is sharded) before restoring it.")

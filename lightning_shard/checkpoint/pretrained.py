@@ -39,6 +39,9 @@ def load_pretrained(module: nn.Module, path: Union[str, Path], strict: bool = Tr
     after it).
     """
     path = Path(path)
+    if next(module.parameters(), None) is None:
+        raise CheckpointError(f"load_pretrained: {type(module).__name__} has no parameters yet (is it built in"
+                              " `configure_model`?): load into it once it is built and sharded, in `on_fit_start`.")
     adapter_folder = path.is_dir() and (path / ADAPTER_CONFIG).is_file()
     with open_weights(path) as source:
         in_model = {n for n, _ in module.named_parameters(remove_duplicate=False)}

@@ -64,6 +64,7 @@ def checkpoint_targets(
         targets = [m for m in root.modules() if m is not root and class_matches(m, spec)]
         if not targets:
             raise ValueError(f"`activation_checkpointing` {list(spec)!r} matches no module of {type(root).__name__}.")
+    _refuse_inside_parameter_wrappers(root, [names[id(m)] for m in targets])
     member_names = {id(m): ",".join(names[id(x)] for x in members) for members in unit_members for m in members}
     for module in targets:
         inner = [member_names[id(m)] for m in module.modules() if m is not module and id(m) in member_names]
@@ -73,6 +74,20 @@ def checkpoint_targets(
                 f" {inner[0]!r}; checkpoint modules that lie within one unit (e.g. the unit classes themselves)."
             )
     return [(names[id(m)], m) for m in targets]
+
+
+def _refuse_inside_parameter_wrappers(root: nn.Module, targets: list[str]) -> None:
+    """peft's LoRA on a parameter (``target_parameters``) adds its adapter to the parameter only while its wrapper
+    runs (torch's parametrize): a module inside the wrapper, recomputed alone, would compute without it."""
+    wrappers = [(name, m) for name, m in root.named_modules() if getattr(m, "parameter_name", None) is not None
+                and hasattr(m, "get_base_layer")]
+    for target in targets:
+        for name, wrapper in wrappers:
+            if target.startswith(name + "."):
+                raise ValueError(
+                    f"activation_checkpointing: module {target!r} lies inside peft's {name!r}, which adapts its"
+                    f" parameter {wrapper.parameter_name!r} only while the wrapper runs: recomputed alone, it would"
+                    f" compute without the adapter. Checkpoint a module that holds {name!r} (its layer or MoE block).")
 
 
 def checkpoint_modules(

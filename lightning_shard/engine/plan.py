@@ -162,13 +162,14 @@ def _match_classes(root: nn.Module, specs: Optional[Sequence[UnitSpec]]) -> list
     tuners: list[str] = []  # peft's adapter layers: what they wrap stays with them (_reads_children_uncalled)
     for name, module in root.named_modules():
         spec = class_matches(module, specs) if module is not root else None
-        inside_tuner = any(name.startswith(t + ".") for t in tuners)
-        if _reads_children_uncalled(module) and not inside_tuner:
+        tuner = next((t for t in tuners if name.startswith(t + ".")), None)
+        if _reads_children_uncalled(module) and tuner is None:
             tuners.append(name)
         if spec is not None:
             used.add(spec)
-            if not inside_tuner:
-                names.append(name)
+            # a match inside an adapter layer (the experts peft's `target_parameters` wraps): the layer is the unit
+            if (tuner or name) not in names:
+                names.append(tuner or name)
     unused = [spec if isinstance(spec, str) else spec.__qualname__ for spec in specs if spec not in used]
     if unused:  # a typo would otherwise train the whole model unsharded
         present = sorted({type(m).__name__ for m in root.modules() if m is not root and _has_params(m)})
