@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 
 import pytest
 import torch
 
 from lightning_shard.checkpoint.export_checkpoint import export_checkpoint
+from lightning_shard.checkpoint.files import CheckpointError
 from lightning_shard.checkpoint.pretrained import load_pretrained
 from tests import moe_folder_scenarios as scenarios
 from tests.world import run_world
@@ -73,6 +75,23 @@ def test_the_experts_class_under_lora_on_the_experts_names_their_wrapper():
     assert [p.name for p in plan_units(model, units=[MixtralExperts])] == [*experts, "<root>"]
     with pytest.raises(ValueError, match=f"lies inside peft's '{experts[0]}', which adapts its parameter"):
         checkpoint_targets(model, [], (MixtralExperts,))
+
+
+def test_an_adapter_trained_on_transformers_4s_per_expert_layers_is_refused_with_what_to_do(tmp_path):
+    """peft converts such an adapter (``target_modules=["w1", "w2", "w3"]``) as it loads it; load_pretrained cannot."""
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import save_file
+
+    (tmp_path / "adapter").mkdir()
+    LoraConfig(r=2, target_modules=["w1", "w2", "w3"]).save_pretrained(tmp_path / "adapter")
+    name = "base_model.model.model.layers.0.block_sparse_moe.experts.0.w1.lora_A.weight"
+    save_file({name: torch.zeros(2, 16)}, str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = get_peft_model(scenarios.model_class("mixtral")(scenarios.config("mixtral")),
+                               LoraConfig.from_pretrained(tmp_path / "adapter"))  # converted by peft
+    with pytest.raises(CheckpointError, match="transformers 4's per-expert layers.*PeftModel.from_pretrained"):
+        load_pretrained(model, tmp_path / "adapter")
 
 
 def test_unsharded_loads_and_checkpoint_exports_convert_too(tmp_path):

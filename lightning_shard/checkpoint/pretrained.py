@@ -168,6 +168,11 @@ def _check_adapter_config(model: nn.Module, path: Path, adapter: Optional[str]) 
     ours = model.peft_config[adapter or model.active_adapter].to_dict()
     differ = [f"{k}: folder {saved.get(k)!r}, model {ours.get(k)!r}" for k in _ADAPTER_SETTINGS
               if k in saved and k in ours and _setting(saved[k]) != _setting(ours[k])]
+    if differ and ours.get("target_parameters") and not saved.get("target_parameters"):
+        raise CheckpointError(f"load_pretrained: the adapter in {str(path)!r} was trained on modules the model no longer"
+                              f" has ({saved.get('target_modules')!r}: transformers 4's per-expert layers, fused in"
+                              " transformers 5), and peft converts such an adapter as it loads it: load it with"
+                              " PeftModel.from_pretrained in one process, or train the adapter again.")
     if differ:
         raise CheckpointError(f"load_pretrained: the adapter in {str(path)!r} was trained with other settings than the"
                               f" model's: {'; '.join(differ)}. Build the peft model with the folder's adapter_config.json"
