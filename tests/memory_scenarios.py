@@ -18,13 +18,16 @@ def estimated_and_measured(rank: int, world: int, sharding: str, options: dict, 
                            d: int = 64, seq: int = 32, steps: int = 3) -> dict:
     torch.manual_seed(0)
     model = models.TinyGPT(vocab=37, d=d, n_blocks=4, seq=seq)
+    options = dict(options)
+    for block in model.blocks[: options.pop("frozen_blocks", 0)]:  # a fine-tuning's frozen base: no optimizer state
+        block.requires_grad_(False)
     g = torch.Generator().manual_seed(rank)
     batches = [torch.randint(0, 37, (batch_size, seq + 1), generator=g) for _ in range(steps)]
     # the loop below clears gradients after the optimizer step
     estimate = estimate_memory(model, world, sharding, step=loss, batch=batches[0], zero_grad_before_backward=False,
                                **options)
     runtime = shard_module(model, sharding=sharding, **options)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     live = LiveBytes()
     for i, batch in enumerate(batches):
         if i == steps - 1:  # the optimizer state exists: measure a steady step

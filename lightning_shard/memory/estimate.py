@@ -8,7 +8,8 @@
 
 Every term is counted, not guessed: unit sizes come from the same planner the strategy uses (padding
 included); optimizer state and step scratch per parameter element from real steps of the optimizer on small
-probe tensors. The scratch of one step is one step group's (``step_group_numel`` elements per rank), or one
+probe tensors, the state for the trainable elements alone (frozen ones, a LoRA base, hold none; a unit's
+trainable elements are counted whole on each rank, as they may all lie in one rank's shard). The scratch of one step is one step group's (``step_group_numel`` elements per rank), or one
 parameter's when the optimizer updates parameter by parameter (torch's for-loop implementations, the CPU
 default; the probes tell which); a whole-parameter optimizer (Muon, Adafactor) adds the owners' exchange
 buffers and the full copies of the parameters a rank owns in one group. Activations (and backward temporaries) from one forward and backward of the model on fake
@@ -34,29 +35,21 @@ CLI for a Hydra training config: ``python -m lightning_shard.estimate`` (``light
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import Tensor, nn
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._pytree import tree_flatten, tree_map
 
-from lightning_shard.engine.activation_checkpointing import (
-    CheckpointSpec,
-    checkpoint_targets,
-    validate_activation_checkpointing,
-    wrap_forward,
-)
+from lightning_shard.engine.activation_checkpointing import CheckpointSpec, validate_activation_checkpointing
 from lightning_shard.engine.fused_default import FusedWhereUnchosen, fused_by_default
 from lightning_shard.engine.groups import validate_shard_size, validate_sharding
 from lightning_shard.engine.offload import host_step_fused, validate_offload
 from lightning_shard.engine.optimizer_step import DEFAULT_STEP_GROUP_NUMEL
 from lightning_shard.engine.plan import UnitSpec, full_precision_classes, plan_units
+from lightning_shard.memory.activations import activation_bytes
 from lightning_shard.memory.tracker import LiveBytes
 
 MiB = 2**20
@@ -165,7 +158,9 @@ def estimate_memory(
     for plan in plans:
         if plan.numel():
             shard = math.ceil(plan.numel() / ranks)
-            sizes.append(UnitSize(shard * ranks, shard, plan.members == [""], max(p.numel() for p, _ in plan.params)))
+            trainable = sum(p.numel() for p, _ in plan.params if p.requires_grad)
+            sizes.append(UnitSize(shard * ranks, shard, plan.members == [""], max(p.numel() for p, _ in plan.params),
+                                  min(shard, trainable)))
     activations = (activation_bytes(model, step, batch, param_dtype, plans, spec, device, autocast)
                    if step is not None else 0)
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
@@ -199,6 +194,13 @@ class UnitSize:
     shard: int  # elements of one rank's shard
     is_root: bool
     largest: int = 0  # elements of its largest parameter
+    # elements of the shard that train, at most (the optimizer holds state for those alone; a LoRA unit's few may
+    # all lie in one rank's shard); None: all
+    trainable: Optional[int] = None
+
+    @property
+    def stepped(self) -> int:
+        return self.shard if self.trainable is None else self.trainable
 
 
 @dataclass(frozen=True)
@@ -221,6 +223,8 @@ def combine(sizes: list[UnitSize], master: torch.dtype, param_dtype: torch.dtype
     one_shard = all(u.padded == u.shard for u in sizes)
     aliases = one_shard and param_dtype == master and offload is None
     shard_total = sum(u.shard for u in sizes)
+    stepped = sum(u.stepped for u in sizes)  # what the optimizer keeps state for (frozen parameters: none)
+    graded = sum(u.shard for u in sizes if u.stepped)  # a unit that trains reduces its whole flat shard
     root = sum(u.padded for u in sizes if u.is_root)
     others = sorted((u.padded for u in sizes if not u.is_root), reverse=True)
     if aliases:
@@ -234,7 +238,7 @@ def combine(sizes: list[UnitSize], master: torch.dtype, param_dtype: torch.dtype
     # which flattens them into the reduce dtype (master's here), computing in another through a concatenation in
     # theirs. The reduction left in flight while the next unit computes is not added: that unit's activations are
     # freed by then, which outweigh it unless activations are tiny
-    largest = others[0] if others else 0
+    largest = max((u.padded for u in sizes if not u.is_root and u.stepped), default=0)
     if aliases:  # one rank in the master dtype: each gradient becomes its shard's as autograd made it
         grads_in_flight = (largest + root) * b_param
     else:
@@ -243,19 +247,19 @@ def combine(sizes: list[UnitSize], master: torch.dtype, param_dtype: torch.dtype
     unsharded = sum(u.padded for u in sizes) * b_param
     if offload is not None:  # the gradient shards go to the host as they are made
         in_forward, in_backward = held.bytes(0, unsharded)
-        state, scratch = round(shard_total * optimizer.state), step_scratch(sizes, b_master, optimizer, step_group_numel)
+        state, scratch = round(stepped * optimizer.state), step_scratch(sizes, b_master, optimizer, step_group_numel)
         return MemoryEstimate(
             params=(shard_total * b_param if offload == "optimizer" else 0) + root * b_param,
             optimizer_state=0, buffers=buffers, grads=0, gathered=gathered, grads_in_flight=grads_in_flight,
             activations=activations, step_scratch=0, grads_in_forward=in_forward, grads_in_backward=in_backward,
             host_resident=shard_total * (b_master + b_param) + state, host_step=shard_total * b_master + scratch,
         )
-    in_forward, in_backward = held.bytes(shard_total * b_master, unsharded)
+    in_forward, in_backward = held.bytes(graded * b_master, unsharded)
     return MemoryEstimate(
         params=shard_total * b_master + (0 if aliases else root * b_param),
-        optimizer_state=round(shard_total * optimizer.state),
+        optimizer_state=round(stepped * optimizer.state),
         buffers=buffers,
-        grads=shard_total * b_master,
+        grads=graded * b_master,
         gathered=gathered,
         grads_in_flight=grads_in_flight,
         activations=activations,
@@ -267,10 +271,10 @@ def combine(sizes: list[UnitSize], master: torch.dtype, param_dtype: torch.dtype
 
 def step_scratch(sizes: list[UnitSize], b_master: int, optimizer: OptimizerProfile, step_group_numel: int) -> int:
     """Temporaries of one optimizer step (``engine/optimizer_step.py``): it runs one step group at a time."""
-    shard_total = sum(u.shard for u in sizes)
+    stepped = sum(u.stepped for u in sizes)
     largest = max((u.largest for u in sizes), default=0)
     ranks = max((u.padded // u.shard for u in sizes if u.shard), default=1)
-    at_once = min(step_group_numel, shard_total)  # elements per rank one group steps
+    at_once = min(step_group_numel, stepped)  # elements per rank one group steps
     if not optimizer.whole or ranks == 1:  # stepped where the shards (or, unsharded, whole parameters) lie
         local_piece = min(largest, max((u.shard for u in sizes), default=0)) if ranks > 1 else largest
         return round(optimizer.scratch * (local_piece if optimizer.per_parameter else at_once))
@@ -286,7 +290,10 @@ def estimate_sharded(runtime: Any, sharding: str, prefetch: int, optimizer: Call
                      held: GradsHeld = GradsHeld()) -> MemoryEstimate:
     """The estimate, activations excluded, of a model already sharded (what the strategy logs at setup)."""
     sizes = [UnitSize(u.storage.padded_numel, u.storage.shard_numel, u is runtime.root_unit,
-                      max(s.numel for s in u.storage.slots)) for u in runtime.units]
+                      max(s.numel for s in u.storage.slots),
+                      min(u.storage.shard_numel, sum(s.numel for s, trains in zip(u.storage.slots,
+                                                                                  u.storage.requires_grad) if trains)))
+             for u in runtime.units]
     first = runtime.units[0].storage
     buffers = sum(b.numel() * b.element_size() for b in runtime.root.buffers())
     profile = optimizer_profile(optimizer, first.master_dtype, whole, first.shard.device,  # offloaded: the host
@@ -294,60 +301,6 @@ def estimate_sharded(runtime: Any, sharding: str, prefetch: int, optimizer: Call
     return combine(sizes, first.master_dtype, first.param_dtype, sharding, prefetch, profile, buffers, 0,
                    step_group_numel, "optimizer" if first.offloaded and first.keep_on_device
                    else "params" if first.offloaded else None, held)
-
-
-def activation_bytes(model: nn.Module, step: Callable[[nn.Module, Any], Tensor], batch: Any,
-                     param_dtype: Optional[torch.dtype] = None, plans: Optional[list] = None,
-                     activation_checkpointing: Any = False, device: Union[str, torch.device] = "cpu",
-                     autocast: Optional[torch.dtype] = None) -> int:
-    """Peak bytes above the parameters during one forward and backward, run on fake tensors of ``device`` (under
-    ``torch.autocast`` with ``autocast`` as training runs it). Estimating for a GPU on a machine without CUDA, the
-    CPU's kernels stand in (a torch without CUDA cannot run CUDA ops even on fake tensors), with a warning."""
-    device = torch.device(device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        warnings.warn("lightning_shard: estimating for a GPU without CUDA here: activations measured with the CPU's"
-                      " kernels and autocast rules (attention and norms may keep other temporaries on a GPU).",
-                      stacklevel=3)
-        device = torch.device("cpu")
-    fake = FakeTensorMode()
-    shadow, fake_batch = fake_copy(model, batch, fake, device, param_dtype)
-    if activation_checkpointing:
-        plans = plans if plans is not None else plan_units(shadow)
-        members = [[shadow.get_submodule(name) for name in plan.members] for plan in plans
-                   if plan.members != [""] and plan.params]
-        for _name, module in checkpoint_targets(shadow, members, activation_checkpointing):
-            wrap_forward(module)
-    for param in shadow.parameters():  # a gradient leaves at once: the engine reduces it, counted apart
-        if param.requires_grad:
-            param.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
-    cast = (torch.autocast(device.type, dtype=autocast) if autocast is not None else contextlib.nullcontext())
-    with fake, LiveBytes() as live:
-        live.track([*shadow.parameters(), *shadow.buffers(), *_tensors(fake_batch)])
-        baseline = live.current()
-        live.reset_peak()
-        with cast:
-            loss = step(shadow, fake_batch)
-        loss.backward()
-    return max(live.peak - baseline, 0)
-
-
-def fake_copy(model: nn.Module, batch: Any, fake: FakeTensorMode, device: torch.device,
-              dtype: Optional[torch.dtype] = None) -> tuple[nn.Module, Any]:
-    """``model`` and ``batch`` with every tensor replaced by a fake one on ``device`` (nothing is allocated)."""
-    if getattr(model, "_shard_runtime", None) is not None:
-        raise ValueError("estimate_memory takes the model before sharding (it is sharded already).")
-
-    def empty(t: Tensor) -> Tensor:
-        cast = dtype if dtype is not None and t.is_floating_point() else t.dtype
-        with fake:
-            return torch.empty(t.shape, dtype=cast, device=device)
-
-    memo: dict[int, Any] = {}
-    for tensor in (*model.parameters(), *model.buffers()):
-        if id(tensor) not in memo:
-            memo[id(tensor)] = nn.Parameter(empty(tensor), tensor.requires_grad) if isinstance(
-                tensor, nn.Parameter) else empty(tensor)
-    return copy.deepcopy(model, memo), tree_map(lambda x: empty(x) if isinstance(x, Tensor) else x, batch)
 
 
 def optimizer_profile(optimizer: Callable[..., torch.optim.Optimizer], dtype: torch.dtype, whole: bool = False,
@@ -395,6 +348,3 @@ def _probe(optimizer: Callable[..., torch.optim.Optimizer], dtype: torch.dtype, 
 def _size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
-
-def _tensors(tree: Any) -> list[Tensor]:
-    return [x for x in tree_flatten(tree)[0] if isinstance(x, Tensor)]

@@ -1,0 +1,76 @@
+"""Activation memory of one training step, measured on fake tensors (nothing is allocated): what
+``estimate_memory`` adds to its formula (``estimate.py``)."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import warnings
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from lightning_shard.engine.activation_checkpointing import checkpoint_targets, wrap_forward
+from lightning_shard.engine.plan import plan_units
+from lightning_shard.memory.tracker import LiveBytes
+
+
+def activation_bytes(model: nn.Module, step: Callable[[nn.Module, Any], Tensor], batch: Any,
+                     param_dtype: Optional[torch.dtype] = None, plans: Optional[list] = None,
+                     activation_checkpointing: Any = False, device: Union[str, torch.device] = "cpu",
+                     autocast: Optional[torch.dtype] = None) -> int:
+    """Peak bytes above the parameters during one forward and backward, run on fake tensors of ``device`` (under
+    ``torch.autocast`` with ``autocast`` as training runs it). Estimating for a GPU on a machine without CUDA, the
+    CPU's kernels stand in (a torch without CUDA cannot run CUDA ops even on fake tensors), with a warning."""
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        warnings.warn("lightning_shard: estimating for a GPU without CUDA here: activations measured with the CPU's"
+                      " kernels and autocast rules (attention and norms may keep other temporaries on a GPU).",
+                      stacklevel=3)
+        device = torch.device("cpu")
+    fake = FakeTensorMode()
+    shadow, fake_batch = fake_copy(model, batch, fake, device, param_dtype)
+    if activation_checkpointing:
+        plans = plans if plans is not None else plan_units(shadow)
+        members = [[shadow.get_submodule(name) for name in plan.members] for plan in plans
+                   if plan.members != [""] and plan.params]
+        for _name, module in checkpoint_targets(shadow, members, activation_checkpointing):
+            wrap_forward(module)
+    for param in shadow.parameters():  # a gradient leaves at once: the engine reduces it, counted apart
+        if param.requires_grad:
+            param.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+    cast = (torch.autocast(device.type, dtype=autocast) if autocast is not None else contextlib.nullcontext())
+    with fake, LiveBytes() as live:
+        live.track([*shadow.parameters(), *shadow.buffers(), *_tensors(fake_batch)])
+        baseline = live.current()
+        live.reset_peak()
+        with cast:
+            loss = step(shadow, fake_batch)
+        loss.backward()
+    return max(live.peak - baseline, 0)
+
+
+def fake_copy(model: nn.Module, batch: Any, fake: FakeTensorMode, device: torch.device,
+              dtype: Optional[torch.dtype] = None) -> tuple[nn.Module, Any]:
+    """``model`` and ``batch`` with every tensor replaced by a fake one on ``device`` (nothing is allocated)."""
+    if getattr(model, "_shard_runtime", None) is not None:
+        raise ValueError("estimate_memory takes the model before sharding (it is sharded already).")
+
+    def empty(t: Tensor) -> Tensor:
+        cast = dtype if dtype is not None and t.is_floating_point() else t.dtype
+        with fake:
+            return torch.empty(t.shape, dtype=cast, device=device)
+
+    memo: dict[int, Any] = {}
+    for tensor in (*model.parameters(), *model.buffers()):
+        if id(tensor) not in memo:
+            memo[id(tensor)] = nn.Parameter(empty(tensor), tensor.requires_grad) if isinstance(
+                tensor, nn.Parameter) else empty(tensor)
+    return copy.deepcopy(model, memo), tree_map(lambda x: empty(x) if isinstance(x, Tensor) else x, batch)
+
+
+def _tensors(tree: Any) -> list[Tensor]:
+    return [x for x in tree_flatten(tree)[0] if isinstance(x, Tensor)]
