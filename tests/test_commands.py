@@ -63,7 +63,7 @@ BAD_INPUT = [  # (command, args, what its one line says); all fail before any ra
      "--shard-size 3 does not divide --world 4"),
     ("lightning_shard.tools.bench_overhead", ["--blocks", "0"], "argument --blocks: must be an integer >= 1"),
     ("lightning_shard.tools.bench_against", ["no_such_revision"], "cannot read revision 'no_such_revision' from git"),
-    (TRAIN, ["strategy.offload=cpu"], "`offload` must be None (everything on the device), 'optimizer'"),
+    (TRAIN, ["strategy.offload=cpu"], "`offload` must be None (null in a Hydra config: everything on the device), 'optimizer'"),
     # the Trainer's values and the checkpoint to resume from, before the ranks start (they were a traceback per rank)
     (TRAIN, ["trainer.devices=0"], "`Trainer(devices=0)` value is not a valid input using cpu accelerator"),
     (TRAIN, ["trainer.max_steps=foo"], "`trainer.max_steps` must be an integer; got 'foo'"),

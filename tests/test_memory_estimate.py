@@ -74,3 +74,14 @@ def test_batch_norms_are_units_of_their_own_under_mixed_precision_as_the_strateg
     model = nn.Sequential(nn.Linear(8, 2000), nn.BatchNorm1d(2000), nn.Linear(2000, 8))
     shards = (8 * 2000 + 2000) // 2 + 2 * 2000 // 2 + (2000 * 8 + 8) // 2
     assert estimate_memory(model, 2, units=["Linear"], param_dtype=torch.bfloat16).params == shards * 4
+
+
+def test_a_step_fake_tensors_cannot_run_says_what_to_do():
+    """transformers 5's routed experts (grouped_mm) run on fake tensors in bf16 only: one clear error, not torch's."""
+    pytest.importorskip("transformers")
+    from tests.moe_folder_scenarios import config, model_class
+
+    model = model_class("mixtral")(config("mixtral"))
+    ids = torch.randint(0, 96, (2, 8))
+    with pytest.raises(ValueError, match="could not run on fake tensors .*Estimate without activations"):
+        estimate_memory(model, 2, step=lambda m, b: m(input_ids=b, labels=b, use_cache=False).loss, batch=ids)

@@ -76,7 +76,7 @@ def _tiny(offload):
 
 
 def test_offload_on_a_cpu_run_says_it_keeps_the_same_memory():
-    with pytest.warns(UserWarning, match="offload='params' on a CPU run keeps the same memory"):
+    with pytest.warns(UserWarning, match="offload='params' on a CPU run saves no memory"):
         _tiny("params")
 
 

@@ -38,7 +38,8 @@ def validate_offload(value: object) -> Optional[str]:
         return None
     if value not in OFFLOAD:
         raise ValueError(
-            f"`offload` must be None (everything on the device), 'optimizer' (master weights, gradients and"
+            f"`offload` must be None (null in a Hydra config: everything on the device), 'optimizer' (master weights,"
+            f" gradients and"
             f" optimizer state in host memory, stepped by the CPU) or 'params' (also no shard on the device"
             f" between steps); got {value!r}.")
     return value  # type: ignore[return-value]

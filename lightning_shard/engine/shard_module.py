@@ -102,8 +102,9 @@ def shard_module(
         _check_ranks_agree(plans, group)
     materializer = Materializer(module, device or _first_real_device(module))
     if offload is not None and materializer.device.type == "cpu" and rank == 0:
-        warnings.warn(f"lightning_shard: offload={offload!r} on a CPU run keeps the same memory (the training state"
-                      " is in host memory already); the host-step path runs all the same.", stacklevel=2)
+        warnings.warn(f"lightning_shard: offload={offload!r} on a CPU run saves no memory (the training state is in"
+                      " host memory already) and costs some: its staging copies are host memory too. The host-step"
+                      " path runs all the same.", stacklevel=2)
     groups = build_groups(sharding, group, shard_size, materializer.device, mesh)
     options["shard_size"] = groups.shard_size if sharding == "hybrid" else None  # the default taken, or the mesh's
     # under grad_op every unit stays gathered from its forward to its backward: the root is no worse than the rest

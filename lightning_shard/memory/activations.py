@@ -43,13 +43,21 @@ def activation_bytes(model: nn.Module, step: Callable[[nn.Module, Any], Tensor],
         if param.requires_grad:
             param.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
     cast = (torch.autocast(device.type, dtype=autocast) if autocast is not None else contextlib.nullcontext())
-    with fake, LiveBytes() as live:
-        live.track([*shadow.parameters(), *shadow.buffers(), *_tensors(fake_batch)])
-        baseline = live.current()
-        live.reset_peak()
-        with cast:
-            loss = step(shadow, fake_batch)
-        loss.backward()
+    try:
+        with fake, LiveBytes() as live:
+            live.track([*shadow.parameters(), *shadow.buffers(), *_tensors(fake_batch)])
+            baseline = live.current()
+            live.reset_peak()
+            with cast:
+                loss = step(shadow, fake_batch)
+            loss.backward()
+    except (RuntimeError, NotImplementedError) as err:  # (fake tensors' own errors derive from these)
+        raise ValueError(
+            f"estimate_memory: the step could not run on fake tensors ({type(err).__name__}: {str(err)[:200]}), which"
+            " is how activations are measured without allocating them. Routed experts are a known case:"
+            " transformers 5's `grouped_mm` experts run on fake tensors in bf16 only (`param_dtype=torch.bfloat16`)"
+            " and its eager experts choose tokens by their values (`nonzero`). Estimate without activations"
+            " (`step=None`) and add those of a real step measured on a small batch.") from err
     return max(live.peak - baseline, 0)
 
 
