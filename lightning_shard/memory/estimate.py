@@ -9,11 +9,12 @@
 Every term is counted, not guessed: unit sizes come from the same planner the strategy uses (padding
 included); optimizer state and step scratch per parameter element from real steps of the optimizer on small
 probe tensors, the state for the trainable elements alone (frozen ones, a LoRA base, hold none; a unit's
-trainable elements are counted whole on each rank, as they may all lie in one rank's shard). The scratch of one step is one step group's (``step_group_numel`` elements per rank), or one
-parameter's when the optimizer updates parameter by parameter (torch's for-loop implementations, the CPU
-default; the probes tell which); a whole-parameter optimizer (Muon, Adafactor) adds the owners' exchange
-buffers and the full copies of the parameters a rank owns in one group. Activations (and backward temporaries) from one forward and backward of the model on fake
-tensors of the target device (``FakeTensorMode``: real kernels are chosen, e.g. CPU flash attention, nothing
+trainable elements are counted whole on each rank, as they may all lie in one rank's shard). The scratch of one
+step is one step group's (``step_group_numel`` elements per rank), or one parameter's when the optimizer updates
+parameter by parameter (torch's for-loop implementations, the CPU default; the probes tell which); a
+whole-parameter optimizer (Muon, Adafactor) adds the owners' exchange buffers and the full copies of the
+parameters a rank owns in one group. Activations (and backward temporaries) from one forward and backward of the
+model on fake tensors of the target device (``FakeTensorMode``: real kernels are chosen, e.g. CPU flash attention, nothing
 is allocated), with the chosen activation checkpointing applied. Gathered units and
 gradients in flight follow the engine's bounds: ``1 + prefetch`` units gathered under ``full`` sharding (one
 at one rank, where each is cast as it runs), all of them from forward to backward under ``grad_op``.
