@@ -179,15 +179,13 @@ def meta_model(config_json: Optional[str]) -> Optional[nn.Module]:
         import transformers
     except ImportError:
         return None
-    cls = getattr(transformers, architecture, None) if isinstance(architecture, str) else None
-    if cls is None:
-        return None
+    if not isinstance(architecture, str) or not hasattr(transformers, architecture):
+        return None  # (custom modelling code: its config may not even parse here)
     with tempfile.TemporaryDirectory() as folder:
         (Path(folder) / "config.json").write_text(config_json)
         config = transformers.AutoConfig.from_pretrained(folder)
-    with torch.device("meta"), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return cls(config)
+    cls = hf.architecture_class(config)
+    return hf.model_on_meta(cls, config) if cls is not None else None
 
 
 class FileNames:
@@ -217,9 +215,7 @@ class FileNames:
 
 def _meta_copy(model: nn.Module) -> Optional[nn.Module]:
     try:
-        with torch.device("meta"), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return type(model)(copy.deepcopy(model.config))
+        return hf.model_on_meta(type(model), copy.deepcopy(model.config))
     except Exception as err:  # noqa: BLE001 - a model built otherwise: its names stay, as transformers 5 loads them
         warnings.warn(f"lightning_shard: {type(model).__name__} could not be built from its config ({err}); its export"
                       " keeps the names it has in memory, which transformers 5's from_pretrained loads.")

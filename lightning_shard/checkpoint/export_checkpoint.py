@@ -143,11 +143,10 @@ def _describe_config(path: Path, names: dict[str, int]) -> dict[str, Any]:
     folder = path if path.is_dir() else path.parent
     config = transformers.AutoConfig.from_pretrained(str(folder))
     architecture = (getattr(config, "architectures", None) or [None])[0]
-    cls = getattr(transformers, architecture, None) if architecture else None
+    cls = hf.architecture_class(config)
     if cls is None:
         raise ValueError(f"{str(path)!r}: its `architectures` ({architecture!r}) names no transformers model class.")
-    with torch.device("meta"):
-        model = cls(config)
+    model = hf.model_on_meta(cls, config)
     keys = list(model.state_dict())
     starts = {n[: len(n) - len(keys[0])] for n in names if n.endswith(keys[0])}
     prefix = next((p for p in sorted(starts, key=len) if all(p + k in names for k in keys if k not in hf.tied_targets(model))),
@@ -194,12 +193,9 @@ def describe_pretrained(module: Any) -> Optional[dict[str, Any]]:
 
 def _dropped_ties(model: Any) -> list[str]:
     """Of each group of tied weights, the names a file leaves out: the model's tie targets, else all but the first."""
-    by_id: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(param), []).append(name)
     targets = hf.tied_targets(model)
     dropped = []
-    for names in (n for n in by_id.values() if len(n) > 1):
+    for names in (n for n in hf.names_per_parameter(model) if len(n) > 1):
         kept = [n for n in names if n not in targets][:1] or names[:1]
         dropped += [n for n in names if n not in kept]
     return sorted(dropped)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import json
 import sys
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -132,6 +133,28 @@ def merged_name(peft_name: str, adapter: str) -> Optional[str]:
     if "original_module" in parts:
         return None
     return None if adapter in parts else base_name(peft_name)
+
+
+def architecture_class(config: Any) -> Optional[type]:
+    """The transformers class a config's ``architectures`` names (what ``save_pretrained`` records); None if none."""
+    architecture = (getattr(config, "architectures", None) or [None])[0]
+    transformers = sys.modules.get("transformers")  # loaded: the config is one of its objects
+    return getattr(transformers, architecture, None) if transformers and isinstance(architecture, str) else None
+
+
+def model_on_meta(cls: Any, config: Any) -> nn.Module:
+    """``cls(config)`` built on the meta device (nothing allocated), transformers' init warnings muted."""
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return cls(config)
+
+
+def names_per_parameter(module: nn.Module) -> list[list[str]]:
+    """Every name of each parameter of ``module`` (a tied weight has several), in registration order."""
+    by_id: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(param), []).append(name)
+    return list(by_id.values())
 
 
 def tied_targets(model: nn.Module) -> set[str]:

@@ -125,10 +125,8 @@ def _outside_base(module: nn.Module, base: str) -> list[str]:
     """The weights of the transformers model holding the base model at ``base`` that are not the base's (its
     head; a head tied to the base's embedding is the base's)."""
     owner = base[: base.rstrip(".").rfind(".") + 1]
-    names: dict[int, list[str]] = {}
-    for name, param in module.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
-    return sorted(n[0] for n in names.values() if n[0].startswith(owner) and not any(x.startswith(base) for x in n))
+    return sorted(names[0] for names in hf.names_per_parameter(module)
+                  if names[0].startswith(owner) and not any(n.startswith(base) for n in names))
 
 
 def _at(module: nn.Module, prefix: str) -> nn.Module:
@@ -189,10 +187,7 @@ def _setting(value: object) -> str:
 
 
 def _tie_groups(module: nn.Module) -> list[list[str]]:
-    by_id: dict[int, list[str]] = {}
-    for name, param in module.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(param), []).append(name)
-    return [names for names in by_id.values() if len(names) > 1]
+    return [names for names in hf.names_per_parameter(module) if len(names) > 1]
 
 
 def _check_ties(module: nn.Module, source: RenamedSource, chunk: int = 1 << 24) -> None:
