@@ -43,6 +43,7 @@ from lightning_shard.engine.gather import GatherSchedule
 from lightning_shard.engine.groups import ShardGroups
 from lightning_shard.engine.guards import ModuleGuards
 from lightning_shard.engine.held import HeldUnits
+from lightning_shard.engine.host_step import HostStepper
 from lightning_shard.engine.optimizer_attach import OptimizerAttachment, RuntimeOptimizers
 from lightning_shard.engine.norms import RuntimeNorms
 from lightning_shard.engine.reduce import GradientReducer
@@ -88,6 +89,10 @@ class ShardRuntime(HeldUnits, ModelEntries, RuntimeOptimizers, RuntimeNorms, Mod
         self.elision = BackwardElision(units, self.schedule, elide_backward_gathers, groups.agreements,
                                        self.world_size, self.stats)
         self.reducer = GradientReducer(units, groups, reduce_dtype, self.stats, self.schedule)
+        # offload: the CPU steps each unit as its gradient lands, when armed (host_step.py)
+        self.host_stepper = HostStepper(units) if units and all(u.storage.offloaded for u in units) else None
+        self.reducer.host_stepper = self.host_stepper
+        self.restage_each_step = True  # offload: staging copies made again at each step's first gathers (offload.py)
         self._depth = 0  # nesting of steps / root forwards
         self._joined_by_all = False  # the step now running is run by every rank (_enter_step)
         self._final_callback_queued = False  # a backward is running
@@ -103,7 +108,7 @@ class ShardRuntime(HeldUnits, ModelEntries, RuntimeOptimizers, RuntimeNorms, Mod
         self._steps_driven = False  # run_step is in use: a bare root forward is not a step
         self._held = False  # inside keep_gathered(): every unit gathered, forwards run no collective
         self.undo: list[Callable[[], None]] = []  # restores what was wrapped at setup (activation checkpointing)
-        self.optimizers = OptimizerAttachment(units, groups, self.stats)
+        self.optimizers = OptimizerAttachment(units, groups, self.stats, self.host_stepper)
         self.optimizers.before_step = lambda: refuse_unseen_gradients(units, self.reducer, "an optimizer step")
         for unit in units:  # one rank, computing in the shard itself: nothing to free or reduce before backward ends
             unit.watches_backward_end = not (self.world_size == 1 and unit.storage.aliases_shard)
@@ -160,7 +165,8 @@ class ShardRuntime(HeldUnits, ModelEntries, RuntimeOptimizers, RuntimeNorms, Mod
             # a previous step that ran no backward may have left units gathered: their data may be stale
             for unit in self.units:
                 self.schedule.reshard(unit, keep_storage=self._backward_graph_kept)
-                unit.storage.shards_changed()  # offload: copied from the master again, whatever wrote it since
+                if self.restage_each_step:
+                    unit.storage.shards_changed()  # offload: copied from the master again, whatever wrote it since
                 unit.forget_calls()
             for unit in self.units:
                 self._follow_requires_grad(unit)
@@ -367,8 +373,16 @@ class ShardRuntime(HeldUnits, ModelEntries, RuntimeOptimizers, RuntimeNorms, Mod
         self._backward_graph_kept |= torch.is_grad_enabled()  # create_graph=True: keep what its graph reads
         try:
             self.reducer.finish()
-            if self.nonfinite is not None:
-                self._apply_nonfinite_policy()
+            stepper = self.host_stepper
+            if stepper is not None:
+                stepper.landed()
+            skipped = self._apply_nonfinite_policy() if self.nonfinite is not None else False
+            if stepper is not None:
+                stepper.decide(skipped, self.total_grad_norm)
+        except BaseException:
+            if self.host_stepper is not None:
+                self.host_stepper.cancel()  # (a raising non-finite check: the speculative steps undone)
+            raise
         finally:  # after an error too
             for unit in self.units:
                 unit.await_calls_again()
@@ -390,6 +404,8 @@ class ShardRuntime(HeldUnits, ModelEntries, RuntimeOptimizers, RuntimeNorms, Mod
         self._final_callback_queued = False
         self._backward_graph_kept = False
         self.reducer.abandon()
+        if self.host_stepper is not None:
+            self.host_stepper.abandon()
         for unit in self.units:
             unit.forget_calls()
             for param in unit.storage.gathered_params:

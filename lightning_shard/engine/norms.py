@@ -69,22 +69,31 @@ def grad_norms(grads: list[Tensor], sharded: list[bool], norm_type: float, devic
 def clip_grad_norm_(parameters: list[Tensor], sharded: list[bool], max_norm: float, norm_type: float,
                     device: torch.device, group: Optional[dist.ProcessGroup], stats: CommStats) -> Tensor:
     """Scale every gradient by ``max_norm / total norm`` where that is below 1; returns the total norm."""
-    kept = [(p, s) for p, s in zip(parameters, sharded) if p.grad is not None]
-    _, total = grad_norms([p.grad for p, _ in kept], [s for _, s in kept], norm_type, device, group, stats)
+    total = total_grad_norm(parameters, sharded, norm_type, device, group, stats)
+    kept = [p for p in parameters if p.grad is not None]
     if kept:
-        torch.nn.utils.clip_grads_with_norm_([p for p, _ in kept], max_norm, total, foreach=True)
+        torch.nn.utils.clip_grads_with_norm_(kept, max_norm, total, foreach=True)
     return total
+
+
+@torch.no_grad()
+def total_grad_norm(parameters: list[Tensor], sharded: list[bool], norm_type: float, device: torch.device,
+                    group: Optional[dist.ProcessGroup], stats: CommStats) -> Tensor:
+    """The norm of the gradients ``parameters`` have, over every rank's shards (what clipping scales by)."""
+    kept = [(p, s) for p, s in zip(parameters, sharded) if p.grad is not None]
+    return grad_norms([p.grad for p, _ in kept], [s for _, s in kept], norm_type, device, group, stats)[1]
 
 
 class RuntimeNorms:
     """ShardRuntime's gradient norms, and what a non-finite gradient does (mixed in: ``units``, ``root``, ``groups``,
-    ``stats``, ``reducer``, ``nonfinite``, ``steps_done``, ``skipped_steps``)."""
+    ``stats``, ``reducer``, ``nonfinite``, ``steps_done``, ``skipped_steps``, ``host_stepper``)."""
 
-    def _apply_nonfinite_policy(self) -> None:
-        """All ranks agree whether any gradient shard is not finite (a non-finite loss makes them so)."""
+    def _apply_nonfinite_policy(self) -> bool:
+        """All ranks agree whether any gradient shard is not finite (a non-finite loss makes them so). Returns
+        whether the step is skipped."""
         first = self.reducer.first_nonfinite()
         if first is None:
-            return
+            return False
         if self.nonfinite == "error":
             raise FloatingPointError(
                 f"lightning_shard: non-finite gradient at step {self.steps_done}, first in unit {first.name!r}."
@@ -93,12 +102,23 @@ class RuntimeNorms:
             unit.storage.clear_grads()
         self.skipped_steps += 1
         warnings.warn(f"lightning_shard: step {self.steps_done} skipped: non-finite gradient in unit {first.name!r}.")
+        return True
 
     def clip_grad_norm_(self, parameters: list[Tensor], max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip by the norm over all shards, as ``torch.nn.utils.clip_grad_norm_`` on the unsharded model."""
+        if self.host_stepper is not None:  # offload's overlapped step clipped already, at the end of backward
+            clipped = self.host_stepper.clipped(list(parameters), max_norm, norm_type)
+            if clipped is not None:
+                return clipped
         shards, sharded = self._shards_of(list(parameters))
         return clip_grad_norm_(shards, sharded, max_norm, norm_type, self.units[0].storage.device,
                                      self.groups.shard, self.stats)
+
+    def total_grad_norm(self, parameters: list[Tensor], norm_type: float = 2.0) -> Tensor:
+        """The norm :meth:`clip_grad_norm_` would clip ``parameters`` by (every rank must call it)."""
+        shards, sharded = self._shards_of(list(parameters))
+        return total_grad_norm(shards, sharded, norm_type, self.units[0].storage.device, self.groups.shard,
+                               self.stats)
 
     def grad_norms(self, norm_type: float = 2.0) -> tuple[list[str], Tensor, Tensor]:
         """The names of the parameters that have a gradient, each one's gradient norm over all shards, and their

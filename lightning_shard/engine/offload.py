@@ -6,14 +6,17 @@ all-gather's input. ``offload="params"`` (FSDP2's ``CPUOffloadPolicy``) keeps no
 between steps: each all-gather copies the shard in, on the gather stream, ahead of use (the prefetch bound).
 
 Per step: each unit's reduced gradient shard is copied to the host on the reduce stream as soon as its reduction
-completes (overlapping the rest of backward); the host waits for the copies once, at the end of backward, and the
-optimizer steps the host shards; the next gathers copy the changed shards back.
+completes (overlapping the rest of backward). Overlapped (host_step.py, where armed): a host thread waits for each
+unit's copy, steps that unit, makes its staging copy and queues its copy back to the device while backward goes on.
+Serial (otherwise): the host waits for the copies once, at the end of backward, and the optimizer steps the host
+shards; the next gathers make the staging copies and copy them back.
 
 Note: the host-to-device copies read a pinned *staging* copy of the shard in the compute dtype (cast on the host:
 half the bytes over PCIe under bf16), never the master shard itself: the optimizer writes the master while copies
 may still be queued, whereas the staging copy is rewritten only after its last copy has landed. It is rewritten
 from the master at the first gather of every step (whatever wrote the shards between steps: the optimizer, a load,
-a callback's ``p.data.clamp_()``), after every optimizer step (a second forward in the same step), and whenever
+a callback's ``p.data.clamp_()``; unless ``restage_each_step`` is off, where the overlapped step made it and nothing
+of the user's runs between steps), after every optimizer step (a second forward in the same step), and whenever
 the shard's version counter moved. Not counted on: fused optimizers and ``.data`` writes leave the counter alone.
 
 On a CPU run the "device" is the host: the same code runs with plain host copies, which changes nothing for memory
@@ -22,6 +25,7 @@ but lets the host-step path be tested without a GPU.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Optional
 
 import torch
@@ -62,6 +66,12 @@ class _Landed:
             self._event.synchronize()
             self._event = None
 
+    def wait_on_device(self) -> None:
+        """The current stream waits for the copies (the host does not)."""
+        if self._event is not None:
+            torch.cuda.current_stream().wait_event(self._event)
+            self._event = None
+
 
 class HostShard(FlatShard):
     """A :class:`FlatShard` whose master shard (and so the shard parameters, their gradients and the optimizer's
@@ -82,13 +92,40 @@ class HostShard(FlatShard):
         self._grads_landed = _Landed(self.device)
         self._on_device: Optional[Tensor] = None  # keep_on_device: the shard in the compute dtype
         self._on_device_of = -1  # the staging it copies
+        self._uploaded = _Landed(self.device)  # its copy queued by the overlapped step, on another stream
+        self._staged_by_step = False  # the overlapped step staged the new values: the step's end changes nothing
 
     def _new_shard(self, numel: int, dtype: torch.dtype) -> Tensor:
         return torch.zeros(numel, dtype=dtype, pin_memory=self.pinned)
 
     # -- host to device -----------------------------------------------------------------------------
     def shards_changed(self) -> None:
+        if self._staged_by_step:  # the optimizer step's end, after the overlapped step staged what it wrote
+            self._staged_by_step = False
+            return
         self._stale = True
+
+    def forget_staging(self) -> None:
+        """The shard was written again after :meth:`stage_after_step` (a speculative step undone)."""
+        self._staged_by_step = False
+        self._stale = True
+
+    def stage_after_step(self, copy_stream: Optional[torch.cuda.Stream]) -> None:
+        """The overlapped step (host_step.py, its worker thread), right after stepping this shard: the staging copy
+        made from the new values now, while the device computes, and (``keep_on_device``) its copy to the device
+        queued on ``copy_stream``; the next gather only waits for that copy. The device read the old copy for the
+        last time before this unit's gradients were reduced, which the host has waited for."""
+        self._stale = True
+        staged = self._staged()
+        if self.keep_on_device:
+            if self._on_device is None:
+                self._on_device = torch.empty(self.shard_numel, dtype=self.param_dtype, device=self.device)
+            with torch.cuda.stream(copy_stream) if copy_stream is not None else nullcontext():
+                self._on_device.copy_(staged, non_blocking=True)
+                self._staging_read.record()
+                self._uploaded.record()
+            self._on_device_of = self._stagings
+        self._staged_by_step = True
 
     def _staged(self) -> Tensor:
         """The staging copy, rewritten first if the shard may have changed since (its version counter moved, or
@@ -111,6 +148,7 @@ class HostShard(FlatShard):
         if not self.keep_on_device:
             return self._to_device(torch.empty(self.shard_numel, dtype=self.param_dtype, device=self.device))
         staged = self._staged()
+        self._uploaded.wait_on_device()  # a copy the overlapped step queued (on CUDA; else done already)
         if self._on_device is None:
             self._on_device = torch.empty(self.shard_numel, dtype=self.param_dtype, device=self.device)
         if self._on_device_of != self._stagings:

@@ -22,14 +22,16 @@ from torch.optim import Optimizer
 from lightning_shard.engine.collectives import CommStats
 from lightning_shard.engine.fused_default import FusedWhereUnchosen, fused_by_default
 from lightning_shard.engine.groups import ShardGroups
+from lightning_shard.engine.norms import check_norm_type
 from lightning_shard.engine.offload import prepare_host_step
 from lightning_shard.engine.optimizer_step import DEFAULT_STEP_GROUP_NUMEL, ShardedStep
 from lightning_shard.engine.unit import Unit
 
 
 class OptimizerAttachment:
-    def __init__(self, units: list[Unit], groups: ShardGroups, stats: CommStats) -> None:
+    def __init__(self, units: list[Unit], groups: ShardGroups, stats: CommStats, host_stepper: Any = None) -> None:
         self.units = units
+        self.host_stepper = host_stepper  # offload's overlapped step, given to each optimizer's step
         self.groups = groups
         self.group = groups.shard  # owners' exchanges; the world agrees on the param groups
         self.world = groups.shard_size
@@ -87,6 +89,7 @@ class OptimizerAttachment:
         step = ShardedStep(optimizer, whole, where, self.groups, self.stats, step_group_numel)
         step.fused = FusedWhereUnchosen(optimizer) if fused else None
         step.before_step = self.before_step
+        step.host_stepper = self.host_stepper
         optimizer._shard_step = step  # kept by the optimizer: it lives as long as the optimizer
         return step
 
@@ -142,6 +145,7 @@ class RuntimeOptimizers:
     ``after_optimizer_step``)."""
 
     optimizers: OptimizerAttachment
+    nonfinite: Optional[str]
 
     def shaped_parameters(self) -> Any:
         """Inside, the model's parameters have their real shapes (meta placeholders): build optimizers here,
@@ -153,6 +157,20 @@ class RuntimeOptimizers:
         """Give ``optimizer`` the shard parameters in place of placeholders, and its sharded step (``whole``:
         each parameter stepped whole on an owner rank, for optimizers that are not elementwise)."""
         return self.optimizers.attach(optimizer, whole, step_group_numel)
+
+    def arm_host_step(self, optimizer: torch.optim.Optimizer, max_norm: Optional[float] = None,
+                      norm_type: float = 2.0) -> bool:
+        """Offload: step each unit on the CPU as its gradient lands in the next backward (engine/host_step.py), for
+        ``optimizer`` (attached, elementwise), whose ``step`` must follow that backward with nothing in between
+        touching gradients, parameters or param groups, except ``clip_grad_norm_(its parameters, max_norm,
+        norm_type)`` when ``max_norm`` is given. Every rank must call it alike. Returns whether it is armed (not
+        where nothing is offloaded, or the optimizer steps whole parameters)."""
+        step = self.optimizers.step_of(optimizer)
+        stepper = self.optimizers.host_stepper
+        if step is None or stepper is None:
+            return False
+        clip = None if max_norm is None else (float(max_norm), check_norm_type(norm_type))
+        return stepper.arm(step, clip, decides=clip is not None or self.nonfinite is not None)
 
     def step(self, optimizer: torch.optim.Optimizer, closure: Optional[Callable[[], Any]] = None) -> Any:
         """``optimizer.step(closure)`` for the sharded model (the optimizer must be attached), then

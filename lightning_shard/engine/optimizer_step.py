@@ -68,6 +68,7 @@ class ShardedStep:
         self._owners: dict[int, int] = {}  # id(shard parameter) -> the owner any plan gave it: its state is there
         # torch's fused kernel where the groups chose no implementation (on a GPU; offload: on the CPU)
         self.fused: Optional[FusedWhereUnchosen] = None
+        self.host_stepper: Any = None  # offload's overlapped step (host_step.py): may have stepped already
         if whole:  # its own ``step`` would step 1-D shards, or nothing: only this one may run
             optimizer.register_step_pre_hook(self._refuse_own_step)
 
@@ -131,6 +132,8 @@ class ShardedStep:
     def _step(self, optimizer: Optimizer, **kwargs: Any) -> None:
         """``kwargs``: what the caller gave ``step`` besides the closure, for every group's step."""
         self.agree_on_groups()
+        if self.host_stepper is not None and self.host_stepper.armed_for(self) and self.host_stepper.commit():
+            return  # stepped unit by unit during backward
         with self.fused() if self.fused is not None else nullcontext():
             self._step_buckets(optimizer, functools.partial(_raw_step(optimizer), **kwargs))
 

@@ -53,6 +53,7 @@ class _Reduction:
     used: list[int]  # slots that got a gradient on this rank (then: on any rank, and in any backward carried here)
     serial: int  # numbers its buffers for the stream checker (a unit may reduce twice)
     deferred: bool = False  # summed into .grad, all-reduced across replicas by a later backward (no_replica_sync)
+    taken: bool = False  # handed to offload's overlapped step (host_step.py), which puts it in .grad itself
     # the sums of earlier micro-batches taken out of .grad to go with it (flat, slots held, slots unsynced): put back
     # if this backward fails
     carried: Optional[tuple[Tensor, list[int], set[int]]] = None
@@ -82,6 +83,7 @@ class GradientReducer:
         self._trainable_check: Optional[Pending] = None  # the ranks' comparison of what they train, in flight
         self._handed: list[Unit] = []  # one rank: units whose gradients go to their shards as they are, at the end
         self.left_unreduced = False  # the last backward ran inside no_sync(): the gathered parameters hold gradients
+        self.host_stepper = None  # offload's overlapped step (host_step.py): takes gradients as they land
 
     @property
     def in_flight(self) -> bool:
@@ -222,12 +224,15 @@ class GradientReducer:
                     " on some ranks' data only); every rank must run the same units' backward."
                 )
         for r in reduced:
-            r.unit.storage.await_host_grads()
+            if not r.taken:
+                r.unit.storage.await_host_grads()
         for r in reduced:
             first = start[id(r.unit)]
             flags = used_anywhere[first : first + len(r.unit.storage.slots)]
             used = [i for i, flag in enumerate(flags) if flag]
             self.streams.reads(("reduced", r.serial))
+            if r.taken:  # every parameter it holds had a gradient here: the same on every rank
+                continue
             if r.deferred:
                 if id(r.unit) not in self._unsynced:
                     # a gradient from before (no zero_grad since the last step) is the replicas' average already:
@@ -279,6 +284,7 @@ class GradientReducer:
                 r.deferred = self.groups.replicas > 1
                 r.pending.result = r.unit.storage.grad_to_host(shard_grad)
                 self.streams.writes(("reduced", r.serial))
+                self._offer(r)
         if replicating:
             self._replicating.append(r)
             if carried is not None:  # the gradients taken (compute's memory) are freed once compute waited for the read
@@ -287,6 +293,11 @@ class GradientReducer:
         self.streams.handover("reduce", "compute")
         self._reduced.append(r)
 
+    def _offer(self, r: _Reduction) -> None:
+        """A gradient shard on its way to host memory, for offload's overlapped step to take as it lands."""
+        if self.host_stepper is not None and not r.deferred:
+            r.taken = self.host_stepper.take(r.unit, r.pending.result, r.used)
+
     def _complete_all(self) -> None:
         while self._pending:
             self._complete_oldest()
@@ -294,6 +305,7 @@ class GradientReducer:
             with self.streams.on("reduce"):
                 r.pending.result = r.unit.storage.grad_to_host(r.pending.wait())
                 self.streams.writes(("reduced", r.serial))
+                self._offer(r)
             self.streams.handover("reduce", "compute")
             self._reduced.append(r)
         self._replicating.clear()

@@ -29,6 +29,7 @@ from lightning_shard.engine.compile import refuse_with_elision, validate_compile
 from lightning_shard.engine.groups import validate_shard_size, validate_sharding
 from lightning_shard.engine.hooks import ShardRuntime
 from lightning_shard.engine.offload import validate_offload
+from lightning_shard.lightning.offload_overlap import arm_for_step, overlap_clip, restage_each_step
 from lightning_shard.engine.optimizer_step import DEFAULT_STEP_GROUP_NUMEL
 from lightning_shard.engine.optimizers import WHOLE, optimizer_kind
 from lightning_shard.engine.plan import UnitSpec, validate_min_unit_size, validate_unit_size, validate_units
@@ -106,6 +107,9 @@ class ShardStrategy(ProcessGroupMixin, EvaluationHold, CheckpointState, Parallel
         offload: ``"optimizer"`` keeps the fp32 master weights, their gradients and the optimizer state in host
             memory and steps the optimizer on the CPU (ZeRO-Offload); ``"params"`` also keeps no shard on the device
             between steps (FSDP2's CPUOffloadPolicy). Same numbers as without; see ``engine/offload.py``.
+        offload_overlap: with ``offload``, the CPU steps each unit as its gradient lands, during backward
+            (``engine/host_step.py``), where no hook of yours runs between backward and step
+            (``lightning/offload_overlap.py``). ``False``: the step after the backward, as before.
         save_frozen: ``False`` leaves frozen parameters out of checkpoints (a LoRA run's base: a checkpoint of the
             adapter and its optimizer state), with a fingerprint of each; restoring needs the same base loaded
             first (``load_pretrained``) and refuses another one, naming the parameters that differ.
@@ -157,6 +161,7 @@ class ShardStrategy(ProcessGroupMixin, EvaluationHold, CheckpointState, Parallel
         state_dict_type: str = "sharded",
         save_frozen: bool = True,
         offload: Optional[str] = None,
+        offload_overlap: bool = True,
         elementwise_optimizers: Sequence[type] = (),
         matrix_optimizers: Sequence[type] = (),
         step_group_size: int = DEFAULT_STEP_GROUP_NUMEL,
@@ -195,6 +200,9 @@ class ShardStrategy(ProcessGroupMixin, EvaluationHold, CheckpointState, Parallel
         self.state_dict_type = validate_state_dict_type(state_dict_type)
         self.save_frozen = check_flag("save_frozen", save_frozen)
         self.offload = validate_offload(offload)
+        self.offload_overlap = check_flag("offload_overlap", offload_overlap)
+        self.offload_overlap_clip: Optional[tuple[Optional[float]]] = None  # decided at setup (offload_overlap.py)
+        self._stepping: Optional[Optimizer] = None  # inside Lightning's optimizer step: its last micro-batch runs
         self.elementwise_optimizers, self.matrix_optimizers = check_declared_optimizers(elementwise_optimizers,
                                                                                         matrix_optimizers)
         self.step_group_size = check_count("step_group_size", step_group_size, 1,
@@ -289,6 +297,9 @@ class ShardStrategy(ProcessGroupMixin, EvaluationHold, CheckpointState, Parallel
             refuse_weight_averaging(trainer.callbacks)
             summarize_in_full_shapes(trainer.callbacks)
             self.frees_grads_after_step = frees_grads_after_step(trainer, self.free_grads_after_step)
+            self.offload_overlap_clip = overlap_clip(trainer, self.precision_plugin.precision,
+                                                     self.offload_overlap and self.offload is not None)
+            self.runtime.restage_each_step = self.offload_overlap_clip is None or restage_each_step(trainer)
             self.memory_estimate = report_memory_estimate(self, trainer)
 
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:
@@ -330,6 +341,7 @@ class ShardStrategy(ProcessGroupMixin, EvaluationHold, CheckpointState, Parallel
         return self.runtime.run_step(step, *args, **kwargs)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        arm_for_step(self, self._stepping)
         return self._run_step(super().training_step, *args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -356,8 +368,12 @@ class ShardStrategy(ProcessGroupMixin, EvaluationHold, CheckpointState, Parallel
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         assert self.runtime is not None
         inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        with self.runtime.optimizers.stepping(inner):  # the step Lightning (or its gradient scaler) calls
-            output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._stepping = inner if self.lightning_module.automatic_optimization else None
+        try:
+            with self.runtime.optimizers.stepping(inner):  # the step Lightning (or its gradient scaler) calls
+                output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        finally:
+            self._stepping = None
         self.runtime.after_optimizer_step()
         after_step(self, inner)
         return output

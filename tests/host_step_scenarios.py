@@ -1,0 +1,102 @@
+"""Scenarios for test_host_step.py, run inside a gloo world: offload's optimizer step overlapped with backward
+(engine/host_step.py) against the same offloaded fit stepped after the backward (``offload_overlap=False``). Both run
+the same kernels on the same tensors in the same order per element, so they must agree bit for bit; and the serial
+one against the fit without offload, bit for bit too (test_offload.py's premise)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Optional
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_shard.checkpoint.full import full_state_dict
+from tests.models import TinyGPT
+from tests.offload_scenarios import _batches
+from tests.world import as_lightning_rank
+
+
+class GPT(L.LightningModule):
+    """TinyGPT with AdamW (fused where none is chosen: the CPU's fused kernel when offloaded) or SGD with momentum;
+    the loss of the micro-batches in ``nonfinite_at`` (epoch 0) is inf."""
+
+    def __init__(self, optimizer: str, nonfinite_at: tuple[int, ...] = ()) -> None:
+        super().__init__()
+        self.optimizer, self.nonfinite_at = optimizer, nonfinite_at
+        self.model = TinyGPT()
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        loss = TinyGPT.loss(self.model, batch, batch_idx)
+        if self.current_epoch == 0 and batch_idx in self.nonfinite_at:
+            loss = loss * math.inf
+        self.losses.append(self.all_gather(loss.detach()).mean().item())
+        return loss
+
+    def configure_optimizers(self):
+        if self.optimizer == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
+        decay = [p for p in self.parameters() if p.ndim >= 2]
+        rest = [p for p in self.parameters() if p.ndim < 2]
+        return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+                                 lr=1e-2, fused=True)
+
+
+def fit(rank: int, world: int, offload: Optional[str], overlap: bool, optimizer: str, clip: Optional[float],
+        accumulate: int, epochs: int, nonfinite_at: tuple[int, ...] = (), save_to: Optional[Path] = None,
+        resume_from: Optional[Path] = None) -> dict:
+    from lightning_shard import ShardStrategy
+
+    torch.manual_seed(0)
+    module = GPT(optimizer, nonfinite_at)
+    strategy = ShardStrategy(units=["Block"], offload=offload, offload_overlap=overlap, nonfinite="skip")
+    callbacks = [ModelCheckpoint(save_to, filename="{epoch}", save_top_k=-1)] if save_to is not None else []
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_epochs=epochs, logger=False,
+                        precision="bf16-mixed", accumulate_grad_batches=accumulate, gradient_clip_val=clip,
+                        callbacks=callbacks, use_distributed_sampler=False, enable_checkpointing=save_to is not None,
+                        enable_progress_bar=False, enable_model_summary=False)
+    data = torch.utils.data.DataLoader(_batches(rank, world, 2), batch_size=None)
+    trainer.fit(module, data, ckpt_path=str(resume_from) if resume_from is not None else None)
+    runtime = trainer.strategy.runtime
+    stepper = runtime.host_stepper
+    counts = {} if stepper is None else {
+        "overlapped": stepper.overlapped_steps, "clipped": stepper.clipped_steps,
+        "speculative": stepper.speculative_units, "redone": stepper.redone_units}
+    return {"losses": module.losses, "state": full_state_dict(runtime, rank0_only=False),
+            "skipped": runtime.skipped_steps, "restage": runtime.restage_each_step, **counts}
+
+
+def _differ(a: dict, b: dict) -> list[str]:
+    return [k for k in a["state"] if not torch.equal(a["state"][k], b["state"][k])]
+
+
+def overlapped_as_serial(rank: int, world: int, cases: list[dict], save_dir: str) -> list[dict]:
+    """Per case (fit options): the overlapped fit's counters, and what differs from the serial one and from the fit
+    without offload (losses, parameters); with ``resume``, a second epoch resumed from each one's checkpoint."""
+    as_lightning_rank(rank, world)
+    reports = []
+    for i, case in enumerate(cases):
+        case = dict(case)
+        resume = case.pop("resume", False)
+        runs = {}
+        for name, offload, overlap in (("overlapped", "optimizer", True), ("serial", "optimizer", False),
+                                       ("plain", None, False), ("params", "params", True)):
+            if resume:
+                folder = Path(save_dir) / f"{i}-{name}"
+                fit(rank, world, offload, overlap, epochs=1, save_to=folder, **case)
+                runs[name] = fit(rank, world, offload, overlap, epochs=2, resume_from=folder / "epoch=0.ckpt",
+                                 **case)
+            else:
+                runs[name] = fit(rank, world, offload, overlap, epochs=2, **case)
+        overlapped = runs["overlapped"]
+        reports.append({
+            **{k: overlapped[k] for k in ("overlapped", "clipped", "speculative", "redone", "skipped", "restage")},
+            "params_overlapped": runs["params"]["overlapped"],
+            "serial_overlapped": runs["serial"].get("overlapped"),
+            "losses": [name for name in ("serial", "plain", "params") if runs[name]["losses"] != overlapped["losses"]],
+            "weights": {name: _differ(overlapped, runs[name]) for name in ("serial", "plain", "params")},
+        })
+    return reports

@@ -1,0 +1,35 @@
+"""Offload's optimizer step overlapped with backward (engine/host_step.py): each unit stepped by the CPU as its
+gradient lands gives the numbers of the step after the backward, bit for bit, with clipping that asks for it on some
+steps only (the speculative steps undone and redone), accumulation, a skipped non-finite step and a resume."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import host_step_scenarios as scenarios
+from tests.world import run_world
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def _check(report: dict) -> None:
+    assert report["losses"] == [] and report["weights"] == {"serial": [], "plain": [], "params": []}, report
+    assert report["serial_overlapped"] == 0  # offload_overlap=False: never armed
+    assert report["overlapped"] > 0 and report["params_overlapped"] > 0, report
+    assert report["restage"] is False  # no hook of the module's runs between steps
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_overlapped_host_step_equals_the_serial_one_bit_for_bit(world, tmp_path):
+    cases = [
+        # clipping asks on some steps, not others; accumulation; a non-finite last micro-batch (skipped)
+        {"optimizer": "adamw", "clip": 3.0, "accumulate": 2, "nonfinite_at": (3,)},
+        # resumed from a checkpoint of the first epoch; SGD with momentum (torch's for-loop on the CPU)
+        {"optimizer": "sgd", "clip": 2.0, "accumulate": 1, "resume": True},
+    ][: 2 if world == 2 else 1]
+    reports = run_world(scenarios.overlapped_as_serial, world, cases, str(tmp_path), timeout=800)[0]
+    for report in reports:
+        _check(report)
+    first = reports[0]
+    assert 0 < first["clipped"] < first["overlapped"], first  # clipping changed some steps, not all
+    assert first["skipped"] == 1 and first["redone"] > 0 and first["speculative"] > first["redone"], first
