@@ -19,14 +19,10 @@ After the decision the remaining units are stepped with no backup. ``optimizer.s
 (:meth:`commit`) and checks that nothing the steps read has changed since (the gradients, the param groups, their
 hyperparameters): a change raises, never a silently different step.
 
-Note: the worker is one thread. torch's CPU kernels (the fused AdamW) spread each tensor over the host's cores
-themselves; a second thread would only contend for the same memory bandwidth, which is what bounds the step.
 """
 
 from __future__ import annotations
 
-import threading
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -34,81 +30,12 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_shard.engine.host_worker import HostWorker
 from lightning_shard.engine.optimizer_step import _raw_step
 from lightning_shard.engine.step_plan import params_key
 from lightning_shard.engine.unit import Unit
 
 SPECULATIVE_SHARE = 0.5  # at most this share of the optimizer's elements stepped before the decision (backed up)
-
-
-class _Worker:
-    """One host thread running the callables it is given in order, gradients landing before steps."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._cond = threading.Condition()
-        self._lands: deque[Callable[[], None]] = deque()
-        self._steps: deque[Callable[[], None]] = deque()
-        self._busy = False
-        self._paused = False
-        self._error: Optional[BaseException] = None
-        self._thread: Optional[threading.Thread] = None
-
-    def submit(self, work: Callable[[], None], landing: bool = False) -> None:
-        with self._cond:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="lightning_shard host step", daemon=True)
-                self._thread.start()
-            (self._lands if landing else self._steps).append(work)
-            self._cond.notify_all()
-
-    def _run(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        while True:
-            with self._cond:
-                while not (self._lands or (self._steps and not self._paused)):
-                    self._cond.wait()
-                work = self._lands.popleft() if self._lands else self._steps.popleft()
-                self._busy = True
-            try:
-                if self._error is None:  # after an error, what was queued is dropped (raised at the next wait)
-                    with torch.no_grad():
-                        work()
-            except BaseException as err:  # noqa: BLE001 - re-raised on the host's thread
-                self._error = err
-            finally:
-                with self._cond:
-                    self._busy = False
-                    self._cond.notify_all()
-
-    def wait(self, lands_only: bool = False) -> None:
-        """Until every landing (and, unless ``lands_only``, every step) given so far has run; raises the worker's
-        error here, on the caller's thread."""
-        with self._cond:
-            while self._lands or self._busy or (not lands_only and self._steps and not self._paused):
-                self._cond.wait()
-        self.raise_error()
-
-    def pause(self) -> list[Callable[[], None]]:
-        """Stop taking steps; once the one running (if any) is done, return those not started (taken off)."""
-        with self._cond:
-            self._paused = True
-            while self._busy or self._lands:
-                self._cond.wait()
-            left, self._steps = list(self._steps), deque()
-        self.raise_error()
-        return left
-
-    def resume(self) -> None:
-        with self._cond:
-            self._paused = False
-            self._cond.notify_all()
-
-    def raise_error(self) -> None:
-        error, self._error = self._error, None
-        if error is not None:
-            raise error
 
 
 @dataclass(eq=False)
@@ -152,7 +79,7 @@ class HostStepper:
         self._by_index = dict(enumerate(units))  # by position: the optimizer's step knows units so (step.where)
         self._position = {id(unit): i for i, unit in enumerate(units)}
         self.device = units[0].storage.device if units else torch.device("cpu")
-        self._worker = _Worker(self.device)
+        self._worker = HostWorker(self.device)
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.armed: Optional[_Arming] = None
         self.speculate = True  # the last decision changed nothing: steps before the next one are likely to stand

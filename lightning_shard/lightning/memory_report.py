@@ -13,6 +13,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 
+from lightning_shard.engine.host_step import SPECULATIVE_SHARE
 from lightning_shard.engine.hooks import ShardRuntime
 from lightning_shard.memory.estimate import GradsHeld, MemoryEstimate, estimate_sharded
 
@@ -36,6 +37,10 @@ def report_memory_estimate(strategy: Any, trainer: "pl.Trainer") -> Optional[Mem
         rank_zero_warn(f"lightning_shard: no memory estimate ({type(err).__name__}: {err}).")
         return None
     _add_averages(estimate, runtime, trainer.callbacks, device)
+    clip = strategy.offload_overlap_clip
+    if clip is not None and (clip[0] is not None or strategy.nonfinite is not None):
+        # the overlapped host step's backups of the units it steps before clipping's norm is known (a bound)
+        estimate.host_step += int(SPECULATIVE_SHARE * estimate.host_resident)
     peak, available = estimate.peak, _device_memory_per_rank(device, local_ranks)
     rank_zero_info(f"lightning_shard: estimated memory per rank before activations: {peak / 2**20:.1f} MiB"
                    f" (python -m lightning_shard.estimate adds them)\n{estimate.table()}")
