@@ -33,3 +33,22 @@ def test_the_overlapped_host_step_equals_the_serial_one_bit_for_bit(world, tmp_p
     first = reports[0]
     assert 0 < first["clipped"] < first["overlapped"], first  # clipping changed some steps, not all
     assert first["skipped"] == 1 and first["redone"] > 0 and first["speculative"] > first["redone"], first
+
+
+def test_the_worker_steps_while_a_gradient_is_still_on_its_way():
+    # a landing whose copy has not arrived must not hold back a step there is to do (it did: every step waited for
+    # the whole backward to land, and nothing overlapped); an arrived one goes first
+    import threading
+
+    import torch
+
+    from lightning_shard.engine.host_worker import HostWorker
+
+    worker, done, arrived = HostWorker(torch.device("cpu")), [], threading.Event()
+    worker.submit(lambda: done.append("step 1"))
+    worker.submit(lambda: (arrived.wait(), done.append("land 2")), ready=arrived.is_set)
+    worker.submit(lambda: done.append("step 3"))
+    worker.submit(lambda: done.append("land 4"), ready=lambda: True)
+    threading.Timer(0.5, arrived.set).start()
+    worker.wait()
+    assert done.index("step 3") < done.index("land 2") and done[-1] == "land 4", done

@@ -153,7 +153,7 @@ class HostStepper:
                 armed.budget -= numel
                 self._queue(armed, index, backup=True)
 
-        self._worker.submit(land, landing=True)
+        self._worker.submit(land, ready=storage.grads_arrived)
         return True
 
     def landed(self) -> None:

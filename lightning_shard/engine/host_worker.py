@@ -1,5 +1,7 @@
-"""The overlapped host step's worker (host_step.py): one host thread running what it is given in order, gradients
-landing before steps, with its errors raised on the caller's thread.
+"""The overlapped host step's worker (host_step.py): one host thread running what it is given in order, with its
+errors raised on the caller's thread. A gradient whose copy to the host has arrived is taken before any step (the end
+of backward waits for those); one still on its way only when there is no step to do meanwhile (waiting for it first
+would hold every step back until the whole backward had landed).
 
 One thread: torch's CPU kernels (the fused AdamW) spread each tensor over the host's cores themselves; a second thread
 would only contend for the same memory bandwidth, which is what bounds the step.
@@ -20,20 +22,31 @@ class HostWorker:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._cond = threading.Condition()
-        self._lands: deque[Callable[[], None]] = deque()
+        self._lands: deque[tuple[Callable[[], None], Callable[[], bool]]] = deque()  # (work, whether it can run now)
         self._steps: deque[Callable[[], None]] = deque()
         self._busy = False
         self._paused = False
         self._error: Optional[BaseException] = None
         self._thread: Optional[threading.Thread] = None
 
-    def submit(self, work: Callable[[], None], landing: bool = False) -> None:
+    def submit(self, work: Callable[[], None], ready: Optional[Callable[[], bool]] = None) -> None:
+        """A step, or (``ready`` given: whether its gradient has arrived) a landing."""
         with self._cond:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="lightning_shard host step", daemon=True)
                 self._thread.start()
-            (self._lands if landing else self._steps).append(work)
+            if ready is None:
+                self._steps.append(work)
+            else:
+                self._lands.append((work, ready))
             self._cond.notify_all()
+
+    def _next(self) -> Callable[[], None]:
+        """(Under the lock, something to do.) Landings arrive in order: the first one tells."""
+        steps = self._steps and not self._paused
+        if self._lands and (not steps or self._lands[0][1]()):
+            return self._lands.popleft()[0]
+        return self._steps.popleft()
 
     def _run(self) -> None:
         if self.device.type == "cuda" and self.device.index is not None:
@@ -42,7 +55,7 @@ class HostWorker:
             with self._cond:
                 while not (self._lands or (self._steps and not self._paused)):
                     self._cond.wait()
-                work = self._lands.popleft() if self._lands else self._steps.popleft()
+                work = self._next()
                 self._busy = True
             try:
                 if self._error is None:  # after an error, what was queued is dropped (raised at the next wait)

@@ -66,6 +66,10 @@ class _Landed:
             self._event.synchronize()
             self._event = None
 
+    def arrived(self) -> bool:
+        """Whether the copies have landed (without waiting)."""
+        return self._event is None or self._event.query()
+
     def wait_on_device(self) -> None:
         """The current stream waits for the copies (the host does not)."""
         if self._event is not None:
@@ -111,20 +115,30 @@ class HostShard(FlatShard):
         self._stale = True
 
     def stage_after_step(self, copy_stream: Optional[torch.cuda.Stream]) -> None:
-        """The overlapped step (host_step.py, its worker thread), right after stepping this shard: the staging copy
-        made from the new values now, while the device computes, and (``keep_on_device``) its copy to the device
-        queued on ``copy_stream``; the next gather only waits for that copy. The device read the old copy for the
-        last time before this unit's gradients were reduced, which the host has waited for."""
-        self._stale = True
-        staged = self._staged()
-        if self.keep_on_device:
+        """The overlapped step (host_step.py, its worker thread), right after stepping this shard, while the device
+        computes. ``params``: the staging copy made from the new values (the gathers copy it in). ``optimizer``: the
+        master shard itself copied to the device on ``copy_stream`` and cast there into the device's copy, with no
+        staging cast on the host (half the host's memory traffic of a cast, and none of its cores); the next gather
+        only waits for that copy. Safe without a staging copy: the next write to this master is this unit's next
+        step, after its next gradient landed, which the device made after a gather that waited for this copy; a
+        write from anywhere else (an undone step, a load, ``p.data`` between steps) makes the next gather copy it
+        again after this copy, which it waits for first (:meth:`_device_copy`)."""
+        if not self.keep_on_device:
+            self._stale = True
+            self._staged()
+        else:
             if self._on_device is None:
                 self._on_device = torch.empty(self.shard_numel, dtype=self.param_dtype, device=self.device)
             with torch.cuda.stream(copy_stream) if copy_stream is not None else nullcontext():
-                self._on_device.copy_(staged, non_blocking=True)
-                self._staging_read.record()
+                if self.pinned and self.master_dtype != self.param_dtype:
+                    master = torch.empty(self.shard_numel, dtype=self.master_dtype, device=self.device)
+                    master.copy_(self.shard, non_blocking=True)
+                    self._on_device.copy_(master)  # the cast, on the device (round to nearest even, as the host's)
+                else:
+                    self._on_device.copy_(self.shard, non_blocking=True)
                 self._uploaded.record()
-            self._on_device_of = self._stagings
+            self._stale, self._staged_version = False, self.shard._version
+            self._on_device_of = self._stagings  # (the staging copy itself is rewritten before it is read again)
         self._staged_by_step = True
 
     def _staged(self) -> Tensor:
@@ -177,6 +191,10 @@ class HostShard(FlatShard):
 
     def await_host_grads(self) -> None:
         self._grads_landed.wait()
+
+    def grads_arrived(self) -> bool:
+        """Whether the gradient's copy to the host has landed (:meth:`await_host_grads` would not wait)."""
+        return self._grads_landed.arrived()
 
 
 DEVICE_ONLY_PACKAGES = ("bitsandbytes", "apex", "transformer_engine", "torchao")
