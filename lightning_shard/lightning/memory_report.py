@@ -55,18 +55,15 @@ def report_memory_estimate(strategy: Any, trainer: "pl.Trainer") -> Optional[Mem
 
 
 def _add_averages(estimate: MemoryEstimate, runtime: ShardRuntime, callbacks: list, device: torch.device) -> None:
-    """A ``ShardedWeightAveraging`` (``ShardedEMA``) keeps a copy of this rank's master shards and of the buffers, where it was told to (by default
-    beside each shard: in host memory when offloaded)."""
-    from lightning_shard.lightning.weight_averaging import ShardedWeightAveraging
-
-    for averaging in (c for c in callbacks if isinstance(c, ShardedWeightAveraging)):
-        for tensor in [unit.storage.shard for unit in runtime.units] + list(runtime.root.buffers()):
-            where = averaging.device or tensor.device
-            nbytes = tensor.numel() * tensor.element_size()
-            if where.type == "cpu" and device.type != "cpu":
-                estimate.host_resident += nbytes
-            else:
-                estimate.average += nbytes
+    """What callbacks keep beside the shards (``ShardedWeightAveraging``, ``ShardedEMA``: an average of the weights),
+    on the device or in host memory. Asked of each callback by its ``estimated_bytes`` rather than looked up by class:
+    the averaging callbacks import the strategy, which imports this module."""
+    for callback in callbacks:
+        estimated_bytes = getattr(callback, "estimated_bytes", None)
+        if callable(estimated_bytes):
+            on_device, in_host = estimated_bytes(runtime, device)
+            estimate.average += on_device
+            estimate.host_resident += in_host
 
 
 def _same_kind(optimizer: Optimizer) -> Callable[[list], Optimizer]:
