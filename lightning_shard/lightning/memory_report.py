@@ -10,11 +10,11 @@ from typing import Any, Callable, Optional
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_debug, rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 
 from lightning_shard.engine.hooks import ShardRuntime
-from lightning_shard.memory.estimate import GradsHeld, MemoryEstimate, estimate_sharded
+from lightning_shard.memory.estimate import GradsHeld, MemoryEstimate, MiB, estimate_sharded
 
 
 def report_memory_estimate(strategy: Any, trainer: "pl.Trainer") -> Optional[MemoryEstimate]:
@@ -37,8 +37,9 @@ def report_memory_estimate(strategy: Any, trainer: "pl.Trainer") -> Optional[Mem
         return None
     _add_averages(estimate, runtime, trainer.callbacks, device)
     peak, available = estimate.peak, _device_memory_per_rank(device, local_ranks)
-    rank_zero_info(f"lightning_shard: estimated memory per rank before activations: {peak / 2**20:.1f} MiB"
-                   f" (python -m lightning_shard.estimate adds them)\n{estimate.table()}")
+    rank_zero_info(compact_report(estimate))
+    rank_zero_debug("lightning_shard: estimated memory per rank before activations, every row (docs/memory.md):\n"
+                    + estimate.table(omit=("activations",)))
     if available is not None and peak > available:
         rank_zero_warn(
             f"lightning_shard: the estimated {peak / 2**30:.2f} GiB per rank, before activations, exceeds the"
@@ -52,6 +53,17 @@ def report_memory_estimate(strategy: Any, trainer: "pl.Trainer") -> Optional[Mem
             f" more than the {host / 2**30:.2f} GiB per rank this machine has: expect the host to run out of memory."
         )
     return estimate
+
+
+def compact_report(estimate: MemoryEstimate, largest: int = 3) -> str:
+    """The setup's default lines: the peak per rank before activations, its ``largest`` parts by the table's row
+    names, and where the rest is."""
+    parts = sorted(((k, v) for k, v in estimate.peak_parts().items() if v > 0), key=lambda kv: -kv[1])[:largest]
+    host = f"; in host memory {estimate.host / MiB:.1f} MiB (offload)" if estimate.host else ""
+    return (f"lightning_shard: estimated peak per rank before activations {estimate.peak / MiB:.1f} MiB, most of it "
+            + ", ".join(f"{name} {value / MiB:.1f}" for name, value in parts) + f" MiB{host}\n"
+            "  every row: this log at DEBUG level, or python -m lightning_shard.estimate (which adds activations);"
+            " what each row means: docs/memory.md")
 
 
 def _add_averages(estimate: MemoryEstimate, runtime: ShardRuntime, callbacks: list, device: torch.device) -> None:
