@@ -6,7 +6,9 @@ every row of the setup report is explained; no issue numbers in the user's pages
 from __future__ import annotations
 
 import configparser
+import contextlib
 import importlib.util
+import io
 import itertools
 import json
 import os
@@ -211,11 +213,12 @@ def overrides_problem(command: str, overrides: list[str]) -> str | None:
         if "," in value and not value.startswith(("[", "{", "'", '"')):
             variants += [[*overrides[:i], f"{key}={v}", *overrides[i + 1:]] for v in value.split(",")]
     for variant in variants[1:] if len(variants) > 1 else variants:
+        said = io.StringIO()  # the app's one line for a bad value (cli.fail), then SystemExit
         try:
-            with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"), contextlib.redirect_stderr(said):
                 check_options(compose(config_name="config", overrides=variant), command, runs=False)
         except (Exception, SystemExit) as err:  # noqa: BLE001 - what is wrong is the message
-            return f"{' '.join(variant)}: {type(err).__name__}: {err}"
+            return f"{' '.join(variant)}: {type(err).__name__}: {err} {said.getvalue().strip()}"
     return None
 
 
