@@ -119,9 +119,11 @@ def main() -> None:
         with torch.no_grad():
             one_process = reloaded(input_ids=probe, use_cache=False).logits.float()
         difference = float((one_process - sharded).abs().max())
-        print(f"adapter: {args.out / 'adapter'} ({', '.join(sorted(p.name for p in (args.out / 'adapter').iterdir()))})")
+        files = ", ".join(sorted(p.name for p in (args.out / "adapter").iterdir()))
+        print(f"adapter: {args.out / 'adapter'} ({files})")
+        rounding = "" if args.precision == "32-true" else f" ({args.precision}: the sharded forward rounds in bf16)"
         print(f"PeftModel.from_pretrained in one process against the sharded model: max |logits difference|"
-              f" {difference:.2e}")
+              f" {difference:.2e}{rounding}")
         if args.precision == "32-true" and difference > 1e-5:  # elsewhere the sharded forward rounds in bf16
             raise SystemExit(f"the reloaded adapter's logits differ by {difference:.2e} (more than 1e-5)")
 

@@ -155,7 +155,8 @@ def requirement_names() -> tuple[set[str], set[str]]:
     """The extras setup.cfg declares, and every package it names."""
     cfg = setup_cfg()
     extras = dict(cfg["options.extras_require"])
-    lines = [*cfg["options"]["install_requires"].split("\n"), *itertools.chain(*(v.split("\n") for v in extras.values()))]
+    lines = [*cfg["options"]["install_requires"].split("\n"),
+             *itertools.chain(*(value.split("\n") for value in extras.values()))]
     return set(extras), {re.split(r"[<>=!~\[; ]", line.strip())[0] for line in lines if line.strip()}
 
 

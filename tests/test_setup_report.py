@@ -52,7 +52,8 @@ def _fit_logging_setup() -> tuple[list[logging.LogRecord], object]:
 
 def test_the_setup_report_is_two_lines_and_every_row_is_at_debug_level():
     records, estimate = _fit_logging_setup()
-    info = [r.getMessage() for r in records if r.levelno == logging.INFO and "estimated peak per rank" in r.getMessage()]
+    info = [r.getMessage() for r in records
+            if r.levelno == logging.INFO and "estimated peak per rank" in r.getMessage()]
     assert len(info) == 1
     lines = info[0].splitlines()
     assert len(lines) == 2, info[0]

@@ -41,14 +41,14 @@ def tested_once(trainer: Any) -> Iterator[None]:
     note where no sample was tested twice (the batches tested per rank, times the ranks, stay within the test set:
     what the sampler added to even out the ranks was never reached, as with ``limit_test_batches`` or a test set
     that divides evenly)."""
-    with warnings.catch_warnings(record=True) as caught:  # the filters in force still decide what is recorded
-        try:
+    caught: list[warnings.WarningMessage] = []
+    try:
+        with warnings.catch_warnings(record=True) as caught:  # the filters in force still decide what is recorded
             yield
-        finally:
-            shown = [w for w in caught if not (str(w.message).startswith(SAMPLER_NOTE)
-                                               and repeated_test_samples(trainer) == 0)]
-    for w in shown:
-        warnings.showwarning(w.message, w.category, w.filename, w.lineno, w.file, w.line)
+    finally:  # also when the test raised
+        for w in caught:
+            if not (str(w.message).startswith(SAMPLER_NOTE) and repeated_test_samples(trainer) == 0):
+                warnings.showwarning(w.message, w.category, w.filename, w.lineno, w.file, w.line)
 
 
 def repeated_test_samples(trainer: Any) -> Optional[int]:

@@ -88,7 +88,8 @@ class MemoryEstimate:
         """The rows that add up to ``peak``: those alive all step, and those of the phase whose sum is largest."""
         resident = {"params": self.params, "optimizer_state": self.optimizer_state, "buffers": self.buffers,
                     "average": self.average}
-        forward = {"activations": self.activations, "gathered": self.gathered, "grads_in_forward": self.grads_in_forward}
+        forward = {"activations": self.activations, "gathered": self.gathered,
+                   "grads_in_forward": self.grads_in_forward}
         # backward peaks at its start, with every activation alive: this step's gradient shards come later, as
         # activations go
         backward = {"activations": self.activations, "gathered": self.gathered, "grads_in_flight": self.grads_in_flight,
