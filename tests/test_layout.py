@@ -79,3 +79,26 @@ def test_every_config_is_shipped_as_package_data():
     unshipped = [c for c in configs if not any(fnmatch.fnmatch(c, pattern) and c.count("/") == pattern.count("/")
                                                for pattern in patterns)]
     assert not unshipped
+
+
+def test_no_module_imports_itself_round_a_circle():
+    """Imports inside functions count: a circle closed by a deferred import is still a circle (module A must be
+    read to understand module B and the other way round)."""
+    modules = {".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__"): p
+               for p in PACKAGE.rglob("*.py")}
+    imports = {name: {m for m in imports_of(path) if m in modules and m != name} for name, path in modules.items()}
+    circles, done = [], set()
+
+    def visit(name: str, path: list[str]) -> None:  # depth first; a name met again on the path closes a circle
+        if name in path:
+            circles.append(" -> ".join(path[path.index(name):] + [name]))
+            return
+        if name in done:
+            return
+        for imported in sorted(imports[name]):
+            visit(imported, path + [name])
+        done.add(name)
+
+    for name in sorted(modules):
+        visit(name, [])
+    assert not circles, "\n".join(circles)

@@ -46,3 +46,41 @@ def test_lightnings_tips_are_filtered_not_its_information():
     finally:
         rank_zero.log.removeHandler(handler)
     assert [r.getMessage() for r in records] == ["GPU available: False, used: False"]
+
+
+def _tested(dataset_len: int, batch_size: int, batches: int, drop_last: bool = False):
+    """A Trainer after ``test`` as far as the sampler note needs: rank 0 of 2, Lightning's DistributedSampler."""
+    from types import SimpleNamespace
+
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+    from torch.utils.data.distributed import DistributedSampler
+
+    dataset = TensorDataset(torch.arange(dataset_len))
+    sampler = DistributedSampler(dataset, num_replicas=2, rank=0, shuffle=False)
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last)
+    return SimpleNamespace(test_dataloaders=loader, num_test_batches=[batches])
+
+
+@pytest.mark.parametrize("dataset_len, batch_size, batches, drop_last, repeated", [
+    (9, 2, 3, False, 1),   # 5 samples a rank, the sampler's 10th is sample 0 again, and it is tested
+    (9, 2, 2, False, 0),   # limit_test_batches=2: 8 of 9 tested, the repeat never reached
+    (9, 2, 2, True, 0),    # drop_last: the last (padded) batch is not tested
+    (10, 2, 3, False, 0),  # divides evenly: nothing padded
+    (9, 4, 2, False, 1),   # 5 a rank in batches of 4: all 5 tested
+])
+def test_repeated_test_samples_counts_what_the_sampler_padded_and_was_tested(dataset_len, batch_size, batches,
+                                                                              drop_last, repeated):
+    assert quiet_module.repeated_test_samples(_tested(dataset_len, batch_size, batches, drop_last)) == repeated
+
+
+@pytest.mark.parametrize("repeated", [True, False])
+def test_the_sampler_note_is_shown_where_a_sample_was_tested_twice_and_other_warnings_always(repeated):
+    trainer = _tested(9, 2, 3 if repeated else 2)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with quiet_module.tested_once(trainer):
+            warnings.warn(quiet_module.SAMPLER_NOTE + ", it is recommended to use `Trainer(devices=1, num_nodes=1)`")
+            warnings.warn("a warning of the user's")
+    shown = [str(w.message) for w in seen]
+    assert ("a warning of the user's" in shown) and len(shown) == (2 if repeated else 1), shown

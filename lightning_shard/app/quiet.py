@@ -1,14 +1,23 @@
 """Third-party messages that are not the user's business, silenced by our commands (and their spawned ranks,
 which start with fresh filters) but never on import of the library: a user's own script sees everything.
 
-Kept: everything else, e.g. Lightning's sampler note before ``trainer.test`` on several ranks (it says how
-the test metrics were computed).
+Lightning's note before ``trainer.test`` on several ranks, that its DistributedSampler "replicates some samples" to
+give every rank as many, is shown where it is true of the run (a sample was tested twice: it says how the test metrics
+were computed), and dropped where no sample was (`tested_once`).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Optional
+
+from torch.utils.data.distributed import DistributedSampler
+
+SAMPLER_NOTE = "Using `DistributedSampler` with the dataloaders. During `trainer.test()`"
 
 
 def quiet() -> None:
@@ -24,3 +33,36 @@ def quiet() -> None:
 
 def _not_a_tip(record: logging.LogRecord) -> bool:
     return not str(record.msg).startswith("💡 Tip")
+
+
+@contextmanager
+def tested_once(trainer: Any) -> Iterator[None]:
+    """Around ``trainer.test``: its warnings are shown as they would have been, after it, except Lightning's sampler
+    note where no sample was tested twice (the batches tested per rank, times the ranks, stay within the test set:
+    what the sampler added to even out the ranks was never reached, as with ``limit_test_batches`` or a test set
+    that divides evenly)."""
+    caught: list[warnings.WarningMessage] = []
+    try:
+        with warnings.catch_warnings(record=True) as caught:  # the filters in force still decide what is recorded
+            yield
+    finally:  # also when the test raised
+        for w in caught:
+            if not (str(w.message).startswith(SAMPLER_NOTE) and repeated_test_samples(trainer) == 0):
+                warnings.showwarning(w.message, w.category, w.filename, w.lineno, w.file, w.line)
+
+
+def repeated_test_samples(trainer: Any) -> Optional[int]:
+    """Samples the last ``trainer.test`` evaluated twice because Lightning's DistributedSampler pads the test set to a
+    multiple of the ranks; None where that cannot be told (no sampler of that kind, no batch size)."""
+    loaders = trainer.test_dataloaders
+    loaders = loaders if isinstance(loaders, (list, tuple)) else [loaders]
+    repeated = 0
+    for loader, batches in zip(loaders, trainer.num_test_batches):
+        sampler = getattr(loader, "sampler", None)
+        if not isinstance(sampler, DistributedSampler) or not loader.batch_size or math.isinf(batches):
+            return None
+        per_rank = min(int(batches) * loader.batch_size, sampler.num_samples)  # the sampler's first, on each rank
+        # rank r takes positions r, r + ranks, ... of the padded order: the first per_rank * ranks positions are
+        # tested, and those past the dataset's length are the repeats
+        repeated += max(0, per_rank * sampler.num_replicas - len(sampler.dataset))
+    return repeated

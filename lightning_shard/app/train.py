@@ -27,7 +27,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from lightning_shard.app import cli, report
 from lightning_shard.app.checks import check_options, local_world_size
-from lightning_shard.app.quiet import quiet
+from lightning_shard.app.quiet import quiet, tested_once
 
 PROG = "python -m lightning_shard.train"
 
@@ -59,7 +59,8 @@ def run(cfg: DictConfig) -> Optional[float]:
     data, module, trainer = build(cfg)
     trainer.fit(module, data, ckpt_path=cfg.get("ckpt_path"))
     if cfg.get("test"):
-        trainer.test(module, data, verbose=False)  # the final report shows the test metrics, once
+        with tested_once(trainer):  # Lightning's note that samples may repeat, where they did
+            trainer.test(module, data, verbose=False)  # the final report shows the test metrics, once
     value = trainer.callback_metrics.get("val_loss")
     return float(value) if value is not None else None
 

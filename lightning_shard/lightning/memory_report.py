@@ -10,12 +10,12 @@ from typing import Any, Callable, Optional
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_debug, rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 
 from lightning_shard.engine.host_step import SPECULATIVE_SHARE
 from lightning_shard.engine.hooks import ShardRuntime
-from lightning_shard.memory.estimate import GradsHeld, MemoryEstimate, estimate_sharded
+from lightning_shard.memory.estimate import GradsHeld, MemoryEstimate, MiB, estimate_sharded
 
 
 def report_memory_estimate(strategy: Any, trainer: "pl.Trainer") -> Optional[MemoryEstimate]:
@@ -42,8 +42,9 @@ def report_memory_estimate(strategy: Any, trainer: "pl.Trainer") -> Optional[Mem
         # the overlapped host step's backups of the units it steps before clipping's norm is known (a bound)
         estimate.host_step += int(SPECULATIVE_SHARE * estimate.host_resident)
     peak, available = estimate.peak, _device_memory_per_rank(device, local_ranks)
-    rank_zero_info(f"lightning_shard: estimated memory per rank before activations: {peak / 2**20:.1f} MiB"
-                   f" (python -m lightning_shard.estimate adds them)\n{estimate.table()}")
+    rank_zero_info(compact_report(estimate))
+    rank_zero_debug("lightning_shard: estimated memory per rank before activations, every row (docs/memory.md):\n"
+                    + estimate.table(omit=("activations",)))
     if available is not None and peak > available:
         rank_zero_warn(
             f"lightning_shard: the estimated {peak / 2**30:.2f} GiB per rank, before activations, exceeds the"
@@ -59,19 +60,27 @@ def report_memory_estimate(strategy: Any, trainer: "pl.Trainer") -> Optional[Mem
     return estimate
 
 
-def _add_averages(estimate: MemoryEstimate, runtime: ShardRuntime, callbacks: list, device: torch.device) -> None:
-    """A ``ShardedWeightAveraging`` (``ShardedEMA``) keeps a copy of this rank's master shards and of the buffers, where it was told to (by default
-    beside each shard: in host memory when offloaded)."""
-    from lightning_shard.lightning.weight_averaging import ShardedWeightAveraging
+def compact_report(estimate: MemoryEstimate, largest: int = 3) -> str:
+    """The setup's default lines: the peak per rank before activations, its ``largest`` parts by the table's row
+    names, and where the rest is."""
+    parts = sorted(((k, v) for k, v in estimate.peak_parts().items() if v > 0), key=lambda kv: -kv[1])[:largest]
+    host = f"; in host memory {estimate.host / MiB:.1f} MiB (offload)" if estimate.host else ""
+    return (f"lightning_shard: estimated peak per rank before activations {estimate.peak / MiB:.1f} MiB, most of it "
+            + ", ".join(f"{name} {value / MiB:.1f}" for name, value in parts) + f" MiB{host}\n"
+            "  every row: this log at DEBUG level, or python -m lightning_shard.estimate (which adds activations);"
+            " what each row means: docs/memory.md")
 
-    for averaging in (c for c in callbacks if isinstance(c, ShardedWeightAveraging)):
-        for tensor in [unit.storage.shard for unit in runtime.units] + list(runtime.root.buffers()):
-            where = averaging.device or tensor.device
-            nbytes = tensor.numel() * tensor.element_size()
-            if where.type == "cpu" and device.type != "cpu":
-                estimate.host_resident += nbytes
-            else:
-                estimate.average += nbytes
+
+def _add_averages(estimate: MemoryEstimate, runtime: ShardRuntime, callbacks: list, device: torch.device) -> None:
+    """What callbacks keep beside the shards (``ShardedWeightAveraging``, ``ShardedEMA``: an average of the weights),
+    on the device or in host memory. Asked of each callback by its ``estimated_bytes`` rather than looked up by class:
+    the averaging callbacks import the strategy, which imports this module."""
+    for callback in callbacks:
+        estimated_bytes = getattr(callback, "estimated_bytes", None)
+        if callable(estimated_bytes):
+            on_device, in_host = estimated_bytes(runtime, device)
+            estimate.average += on_device
+            estimate.host_resident += in_host
 
 
 def _same_kind(optimizer: Optimizer) -> Callable[[list], Optimizer]:

@@ -22,6 +22,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_shard.checkpoint.io import CURRENT
 from lightning_shard.engine.averaging import AveragedShards, AverageUpdate, averaged_model_update
+from lightning_shard.engine.hooks import ShardRuntime
 
 AVERAGING_STATE = "averaging_state"  # Lightning's key for the averaged model's other state (``n_averaged``)
 
@@ -56,6 +57,19 @@ class ShardedWeightAveraging(Callback):
 
     def _update_function(self) -> AverageUpdate:
         return self._averaging
+
+    def estimated_bytes(self, runtime: ShardRuntime, device: torch.device) -> tuple[int, int]:
+        """Bytes the average will hold per rank, (on the device, in host memory): a copy of this rank's master shards
+        and of the buffers, where it keeps them (by default beside each shard: in host memory when offloaded). Read
+        by the strategy's memory report at setup."""
+        on_device = in_host = 0
+        for tensor in [unit.storage.shard for unit in runtime.units] + list(runtime.root.buffers()):
+            nbytes = tensor.numel() * tensor.element_size()
+            if (self.device or tensor.device).type == "cpu" and device.type != "cpu":
+                in_host += nbytes
+            else:
+                on_device += nbytes
+        return on_device, in_host
 
     # -- fit ----------------------------------------------------------------------------------------
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:

@@ -82,19 +82,28 @@ class MemoryEstimate:
     @property
     def peak(self) -> int:
         """On the device (with offload, ``host`` is apart)."""
-        resident = self.params + self.optimizer_state + self.buffers + self.average
-        forward = self.activations + self.gathered + self.grads_in_forward
+        return sum(self.peak_parts().values())
+
+    def peak_parts(self) -> dict[str, int]:
+        """The rows that add up to ``peak``: those alive all step, and those of the phase whose sum is largest."""
+        resident = {"params": self.params, "optimizer_state": self.optimizer_state, "buffers": self.buffers,
+                    "average": self.average}
+        forward = {"activations": self.activations, "gathered": self.gathered,
+                   "grads_in_forward": self.grads_in_forward}
         # backward peaks at its start, with every activation alive: this step's gradient shards come later, as
         # activations go
-        backward = self.activations + self.gathered + self.grads_in_flight + self.grads_in_backward
-        return resident + max(forward, backward, self.grads + self.step_scratch)
+        backward = {"activations": self.activations, "gathered": self.gathered, "grads_in_flight": self.grads_in_flight,
+                    "grads_in_backward": self.grads_in_backward}
+        step = {"grads": self.grads, "step_scratch": self.step_scratch}
+        return {**resident, **max(forward, backward, step, key=lambda phase: sum(phase.values()))}
 
     def as_dict(self) -> dict[str, int]:
         return {**{f.name: getattr(self, f.name) for f in fields(self)}, "peak": self.peak, "host": self.host}
 
-    def table(self) -> str:
+    def table(self, omit: Sequence[str] = ()) -> str:
+        """One row per figure, in MiB; ``omit`` leaves rows out (the setup's estimate has no activations)."""
         rows = [f"  {name:<17} {value / MiB:10.1f} MiB" for name, value in self.as_dict().items()
-                if not name.startswith("host")]
+                if not name.startswith("host") and name not in omit]
         if self.host:  # offload
             rows[-1] += " on the device"
             rows.append(f"  {'host':<17} {self.host / MiB:10.1f} MiB in host memory (offload)")
