@@ -100,3 +100,33 @@ def overlapped_as_serial(rank: int, world: int, cases: list[dict], save_dir: str
             "weights": {name: _differ(overlapped, runs[name]) for name in ("serial", "plain", "params")},
         })
     return reports
+
+
+class FrozenBase(GPT):
+    """GPT with its first two blocks frozen (a fine-tuned base's): under offload their host copies never change."""
+
+    def __init__(self) -> None:
+        super().__init__("adamw")
+        for block in self.model.blocks[:2]:
+            block.requires_grad_(False)
+
+
+def frozen_units_move_nothing(rank: int, world: int, offload: str) -> dict:
+    """A fit whose first two blocks are frozen: how many times each unit's staging (or device) copy was made, and the
+    parameters that differ from the same fit without offload."""
+    from lightning_shard import ShardStrategy
+
+    as_lightning_rank(rank, world)
+    states = {}
+    for mode in (offload, None):
+        torch.manual_seed(0)
+        module = FrozenBase()
+        trainer = L.Trainer(accelerator="cpu", devices=world, strategy=ShardStrategy(units=["Block"], offload=mode),
+                            max_steps=4, logger=False, precision="bf16-mixed", use_distributed_sampler=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(module, torch.utils.data.DataLoader(_batches(rank, world, 1), batch_size=None))
+        runtime = trainer.strategy.runtime
+        states[mode] = full_state_dict(runtime, rank0_only=False)
+        if mode is not None:
+            copies = {unit.name: unit.storage._stagings + unit.storage.uploads for unit in runtime.units}
+    return {"copies": copies, "differ": [k for k in states[None] if not torch.equal(states[None][k], states[offload][k])]}

@@ -52,3 +52,15 @@ def test_the_worker_steps_while_a_gradient_is_still_on_its_way():
     threading.Timer(0.5, arrived.set).start()
     worker.wait()
     assert done.index("step 3") < done.index("land 2") and done[-1] == "land 4", done
+
+
+@pytest.mark.parametrize("offload", ["optimizer", "params"])
+def test_frozen_units_are_copied_once_under_offload(offload):
+    # a frozen base's copies were made again after every optimizer step (a host cast, and under "optimizer" a copy
+    # to the device, per frozen unit per step), though no optimizer writes what has no gradient
+    report = run_world(scenarios.frozen_units_move_nothing, 2, offload, timeout=400)[0]
+    assert report["differ"] == [], report
+    copies = report["copies"]
+    frozen = [name for name in copies if name.endswith(("blocks.0", "blocks.1"))]
+    assert len(frozen) == 2 and all(copies[name] == 1 for name in frozen), copies
+    assert all(copies[name] > 1 for name in copies if name not in frozen), copies

@@ -216,7 +216,7 @@ class ShardRuntime(HeldUnits, ModelEntries, RuntimeOptimizers, RuntimeNorms, Mod
         self.steps_done += 1
         if self._backward_graph_kept:  # the shards changed under the kept graph: it is done with
             self._free_after_backward()
-        self.refresh_gathered()
+        self.refresh_gathered(stepped=True)
 
     @property
     def last_step_stats(self) -> dict[str, float]:
@@ -232,11 +232,13 @@ class ShardRuntime(HeldUnits, ModelEntries, RuntimeOptimizers, RuntimeNorms, Mod
             self._last_step_stats = total
         return self._last_step_stats
 
-    def refresh_gathered(self) -> None:
-        """The shards were written (an optimizer step, a load): their copies are stale (offload; every unit, frozen
-        ones too, which an optimizer's weight decay may step), and the units held gathered are gathered again."""
+    def refresh_gathered(self, stepped: bool = False) -> None:
+        """The shards were written (a load; ``stepped``: an optimizer step, which writes only the parameters that have
+        a gradient: a frozen unit's copies stay as they are, offload moves nothing of it again): their copies are
+        stale, and the units held gathered are gathered again."""
         for unit in self.units:
-            unit.storage.shards_changed()
+            if not stepped or any(p.grad is not None for p in unit.storage.shard_params):
+                unit.storage.shards_changed()
         self.schedule.refresh(self.units)
 
     # -- accumulation -------------------------------------------------------------------------------

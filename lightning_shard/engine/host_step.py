@@ -286,6 +286,8 @@ class HostStepper:
         unit = self._by_index[index]
         per_group = armed.params[index]
         params = [p for ps in per_group for p in ps]
+        if all(p.grad is None for p in params):  # frozen, or unused everywhere: the optimizer writes nothing of it
+            return
         if backup:
             self.speculative_units += 1
             saved = _Backup(unit.storage.shard.clone(), {p: _copy_state(optimizer.state.get(p)) for p in params})

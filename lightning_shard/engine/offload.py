@@ -97,6 +97,7 @@ class HostShard(FlatShard):
         self._on_device: Optional[Tensor] = None  # keep_on_device: the shard in the compute dtype
         self._on_device_of = -1  # the staging it copies
         self._uploaded = _Landed(self.device)  # its copy queued by the overlapped step, on another stream
+        self.uploads = 0  # copies of the master to the device the overlapped step made (tests)
         self._staged_by_step = False  # the overlapped step staged the new values: the step's end changes nothing
 
     def _new_shard(self, numel: int, dtype: torch.dtype) -> Tensor:
@@ -137,6 +138,7 @@ class HostShard(FlatShard):
                 else:
                     self._on_device.copy_(self.shard, non_blocking=True)
                 self._uploaded.record()
+            self.uploads += 1
             self._stale, self._staged_version = False, self.shard._version
             self._on_device_of = self._stagings  # (the staging copy itself is rewritten before it is read again)
         self._staged_by_step = True
