@@ -354,11 +354,11 @@ def _refuse_autograd_grads(shard: nn.Parameter, slot: ParamSlot) -> None:
 
     def refuse(_: Tensor) -> None:
         raise RuntimeError(
-            f"lightning_shard: {slot.names[0]!r} was used while its unit was not gathered: its module was not"
-            " called (its weight read directly, e.g. `self.wpe.weight[:T]`), or it was read outside the forward"
-            " (a penalty over `self.parameters()` in training_step). A unit's parameters are gathered when one"
-            " of its modules is called: put the code that reads it in the same unit (`units=`), or compute it"
-            " inside a forward (weight decay: the optimizer's `weight_decay`).")
+            f"lightning_shard: {slot.names[0]!r} was used while its unit was not gathered: it was reached through"
+            " `self.parameters()` or a reference kept from outside the step (a penalty over `self.parameters()` in"
+            " training_step), not looked up by name. A unit's parameters are gathered when one of its modules is"
+            " called, or when one of them is looked up by name inside a step (`self.wpe.weight`): read it by name"
+            " there, or compute it inside a forward (weight decay: the optimizer's `weight_decay`).")
 
     shard.register_post_accumulate_grad_hook(refuse)
     shard._refuses_autograd_grads = True

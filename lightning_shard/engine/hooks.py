@@ -106,9 +106,7 @@ class ShardRuntime(HeldUnits, ModelEntries, RuntimeOptimizers, RuntimeNorms, Mod
         for unit in units:  # one rank, computing in the shard itself: nothing to free or reduce before backward ends
             unit.watches_backward_end = not (self.world_size == 1 and unit.storage.aliases_shard)
         self._install_hooks()
-        # a shard parameter looked up while a step or a backward runs (by a module outside its unit): gathered
-        self.outside = OutsideReads(units, lambda: not self._held and (
-            self._depth > 0 or (self._final_callback_queued and in_backward())), self._gather_for_reader)
+        self.outside = OutsideReads(units, self._gather_for_reader)  # lookups of shard parameters
         self.undo.append(self.outside.stop)
 
     @property
@@ -208,9 +206,8 @@ class ShardRuntime(HeldUnits, ModelEntries, RuntimeOptimizers, RuntimeNorms, Mod
         self.steps_done += 1
         if self._backward_graph_kept:  # the shards changed under the kept graph: it is done with
             self._free_after_backward()
-        for unit in self.units:  # kept for a retain_graph backward through a reader until the shards changed
-            if unit.read_outside and not unit.is_gathered:
-                self.schedule.reshard(unit)
+        for unit in (u for u in self.units if u.read_outside and not u.is_gathered):  # kept for a reader's backward
+            self.schedule.reshard(unit)
         self.refresh_gathered()
 
     @property
@@ -303,13 +300,16 @@ class ShardRuntime(HeldUnits, ModelEntries, RuntimeOptimizers, RuntimeNorms, Mod
         unit.call_began = torch.autograd._get_sequence_nr()  # after the nodes made here: they are not the call's own
         return arguments
 
-    def _gather_for_reader(self, unit: Unit) -> None:
-        """A module outside ``unit`` looked up one of its parameters in a step or a backward (outside.py)."""
+    def _gather_for_reader(self, unit: Unit) -> bool:
+        """A module outside ``unit`` looked up one of its parameters: gathered where a step or a backward runs."""
+        if self._held or not (self._depth > 0 or (self._final_callback_queued and in_backward())):
+            return False
         self._follow_requires_grad(unit)
         self.schedule.gather(unit)
         unit.read_outside = True
         if unit.storage.trainable and not unit.parameters_watched:  # its gradient may be the backward's first
             self._watch_parameters(unit)
+        return True
 
     def _recomputing_for_saved_tensors(self, unit: Unit) -> bool:
         """A call inside backward of a unit whose backward is still to come: a non-reentrant checkpoint
@@ -354,8 +354,8 @@ class ShardRuntime(HeldUnits, ModelEntries, RuntimeOptimizers, RuntimeNorms, Mod
         if self._backward_graph_kept or torch.is_grad_enabled():  # (grad mode in backward: create_graph=True)
             return  # reduced, and freed, at the end of backward: a node of the kept graph may still read or add to it
         unit.backward_pending -= 1
-        if unit.backward_pending > 0 or unit.unseen_backward or unit.read_outside:  # (see outside.py)
-            return  # another call's backward may still be running
+        if unit.backward_pending > 0 or unit.unseen_backward or unit.read_outside:  # another call's backward may
+            return  # still be running; or code outside the unit computed with it, to the end of backward (outside.py)
         self.schedule.reshard(unit)  # first: its gathered buffer is free before its gradients are flattened
         if not unit.returned_parameters:
             self.reducer.reduce(unit)

@@ -16,6 +16,10 @@ Either way the gradient of the unit's parameters may come from outside its own b
 to the end of backward. A unit read from outside is also kept gathered until then, since the reader's backward reads
 what it saved of the gathered parameters (and kept allocated until the optimizer step or the next step, for a
 ``retain_graph`` backward through the reader).
+
+The same dicts refuse to let a shard parameter be taken out of its module (``del module._parameters[name]``), which
+is how torch.nn.utils.prune and ``parametrize.register_parametrization`` begin: the reparametrization would compute
+with a 1-D shard.
 """
 
 from __future__ import annotations
@@ -75,47 +79,36 @@ def adopt(module: nn.Module) -> TreeParameters:
     return parameters
 
 
-def install_reads(trees: list[list[TreeParameters]], on_read: Callable[[TreeParameters, str, Any], Any]) -> list:
-    """``trees``: per unit, the dicts its parameters are registered in. Every dict answers reads with ``on_read``;
-    returns, per unit, the dicts that hold its parameters only, whose class follows that unit's state (a dict holding
-    several units' parameters, a tied weight beside a module's own, keeps :class:`ShardParameters`: its ``on_read``
-    passes the gathered ones through)."""
-    owners: dict[int, int] = {}
-    for dicts in trees:
-        for parameters in {id(d): d for d in dicts}.values():
-            owners[id(parameters)] = owners.get(id(parameters), 0) + 1
-            parameters.on_read = on_read
-    return [[d for d in {id(d): d for d in dicts}.values() if owners[id(d)] == 1] for dicts in trees]
-
-
 class OutsideReads:
-    """The runtime's answer to a lookup of a shard parameter: where ``reading()`` (a step or a backward is running),
-    ``gather(unit)`` the parameter's unit and give the gathered parameter."""
+    """The runtime's answer to a lookup of a shard parameter: the gathered parameter where ``gather(unit)`` gathered
+    its unit (a step or a backward is running), else the shard parameter. Installed in every unit's dicts; a dict that
+    holds one unit's parameters only has its class follow that unit's state (one holding several units', a tied weight
+    beside a module's own, stays a :class:`ShardParameters`: the gathered ones pass through)."""
 
-    def __init__(self, units: list, reading: Callable[[], bool], gather: Callable[[Any], None]) -> None:
+    def __init__(self, units: list, gather: Callable[[Any], bool]) -> None:
         self.owners = {id(param): unit for unit in units for param in unit.storage.shard_params}
-        self.reading, self.gather = reading, gather
-        self.trees = [unit.storage.trees for unit in units]
-        for unit, sole in zip(units, install_reads(self.trees, self)):
-            unit.storage.sole_trees = sole
+        self.gather = gather
+        self.trees = [list({id(d): d for d in unit.storage.trees}.values()) for unit in units]
+        holders: dict[int, int] = {}
+        for dicts in self.trees:
+            for parameters in dicts:
+                holders[id(parameters)] = holders.get(id(parameters), 0) + 1
+                parameters.on_read = self
+        for unit, dicts in zip(units, self.trees):
+            unit.storage.sole_trees = [d for d in dicts if holders[id(d)] == 1]
 
     def __call__(self, parameters: TreeParameters, key: str, value: Any) -> Any:
         unit = self.owners.get(id(value))
-        if unit is None or not self.reading():
+        if unit is None or not self.gather(unit):
             return value
-        self.gather(unit)
         return dict.__getitem__(parameters, key)
 
     def stop(self) -> None:
-        stop_reads(self.trees)
-
-
-def stop_reads(trees: list[list[TreeParameters]]) -> None:
-    """Plain lookups for good (the runtime's hooks are removed)."""
-    for dicts in trees:
-        for parameters in dicts:
-            parameters.on_read = None
-            parameters.__class__ = GatheredParameters
+        """Plain lookups for good (the runtime's hooks are removed)."""
+        for dicts in self.trees:
+            for parameters in dicts:
+                parameters.on_read = None
+                parameters.__class__ = GatheredParameters
 
 
 def keep_returned(output: Any, gathered: frozenset[int]) -> tuple[Any, bool]:
@@ -125,7 +118,7 @@ def keep_returned(output: Any, gathered: frozenset[int]) -> tuple[Any, bool]:
         if not _is_parameter(output, gathered):
             return output, False
         return _copy(output)
-    if isinstance(output, tuple) and type(output) is tuple and all(isinstance(x, (Tensor, type(None))) for x in output):
+    if type(output) is tuple and all(isinstance(x, (Tensor, type(None))) for x in output):
         if not any(x is not None and _is_parameter(x, gathered) for x in output):
             return output, False  # a block's usual tuple: no pytree
         flat, rebuild = list(output), tuple
