@@ -322,11 +322,11 @@ class FlatShard:
         # one split() for the views, unless autograd records them (create_graph=True): split()'s views then refuse
         # the in-place add below
         split = None if reduced.requires_grad else reduced.split_with_sizes(self._grad_split)
-        # (a slot frozen since it got a gradient in an earlier micro-batch keeps it, as in plain torch)
-        for i in sorted(set(self.trainable).union(used)):
-            param = self.shard_params[i]
+        used_here = set(used)
+        # every slot holding a gradient, trainable or not: one frozen since it got one keeps it, as in plain torch
+        for i, param in enumerate(self.shard_params):
             grad = param.grad
-            if grad is None and i not in used:
+            if grad is None and i not in used_here:
                 continue
             if split is not None:
                 view = split[i]

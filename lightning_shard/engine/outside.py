@@ -115,24 +115,25 @@ def keep_returned(output: Any, gathered: frozenset[int]) -> tuple[Any, bool]:
     """``output`` with each tensor that is one of the unit's gathered parameters (``gathered``: their ids), or a view of
     one, replaced by a copy; and whether a copy may carry a gradient back to them."""
     if isinstance(output, Tensor):
-        if not _is_parameter(output, gathered):
+        return _copy(output) if _is_parameter(output, gathered) else (output, False)
+    if type(output) is tuple:  # a block's usual tuple of tensors: no pytree
+        for x in output:
+            if isinstance(x, Tensor):
+                if _is_parameter(x, gathered):
+                    break
+            elif x is not None:
+                break
+        else:
             return output, False
-        return _copy(output)
-    if type(output) is tuple and all(isinstance(x, (Tensor, type(None))) for x in output):
-        if not any(x is not None and _is_parameter(x, gathered) for x in output):
-            return output, False  # a block's usual tuple: no pytree
-        flat, rebuild = list(output), tuple
-    else:
-        flat, spec = tree_flatten(output)
-        if not any(isinstance(x, Tensor) and _is_parameter(x, gathered) for x in flat):
-            return output, False
-        rebuild = lambda values: tree_unflatten(values, spec)  # noqa: E731
+    flat, spec = tree_flatten(output)
+    returned = [i for i, x in enumerate(flat) if isinstance(x, Tensor) and _is_parameter(x, gathered)]
+    if not returned:
+        return output, False
     carries = False
-    for i, x in enumerate(flat):
-        if isinstance(x, Tensor) and _is_parameter(x, gathered):
-            flat[i], grad = _copy(x)
-            carries |= grad
-    return rebuild(flat), carries
+    for i in returned:
+        flat[i], grad = _copy(flat[i])
+        carries |= grad
+    return tree_unflatten(flat, spec), carries
 
 
 def _is_parameter(x: Tensor, gathered: frozenset[int]) -> bool:
