@@ -82,7 +82,8 @@ def loader(seed: int, n: int = 32) -> DataLoader:
 def fit(strategy, habit: str = "", callbacks=(), out: str = "", epochs: int = 2) -> tuple[LitNet, L.Trainer]:
     torch.manual_seed(0)
     module = LitNet(habit)
-    saving = [ModelCheckpoint(dirpath=os.path.join(out, "checkpoints"), monitor="val_loss", save_last=True)] if out else []
+    saving = [ModelCheckpoint(dirpath=os.path.join(out, "checkpoints"), monitor="val_loss", save_last=True)] if out \
+        else []
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=epochs, logger=False,
                         enable_checkpointing=bool(saving), callbacks=[*callbacks, *saving], enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0, deterministic=True)

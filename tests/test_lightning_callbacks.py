@@ -1,5 +1,5 @@
 """Lightning's own callbacks and habits under ShardStrategy at 2 CPU ranks (issue 53; the Lightning faces of issue 52's
-refusals): pruning refused by name, consolidation from rank 0 inside the job, Lightning's grad_norm of the shards told."""
+refusals): pruning refused by name, consolidation from rank 0 inside the job, Lightning's grad_norm of shards told."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def test_consolidate_on_rank_0_after_fit_while_the_other_rank_waits_or_exits(tmp
 
 
 def test_lightnings_grad_norm_of_the_shards_is_told_once_and_the_strategys_matches_ddp(tmp_path):
-    """Lightning's ``grad_norm(self)`` logged each rank's shard norms (0.861 and 1.695 against ddp's 1.901), silently."""
+    """Lightning's ``grad_norm(self)`` logged each rank's shard norms (0.861 and 1.695 against ddp's 1.901) silently."""
     results = run_app(tmp_path, "grad_norm")
     assert results["log"].count("look like Lightning's `grad_norm(module, norm_type)`") == 1
     assert len(results["sharded"]) == len(results["ddp"]) == 4

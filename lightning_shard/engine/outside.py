@@ -40,8 +40,8 @@ class TreeParameters(dict):
     def __delitem__(self, key: str) -> None:
         """A shard parameter taken out of its module (``del module.weight``: torch's pruning functions and
         ``parametrize.register_parametrization`` do, to reparametrize it between steps) would leave the module
-        computing with whatever replaces it, never gathered: refused, naming it. (A gathered parameter, inside its unit's
-        forward, may be: peft reparametrizes there.)"""
+        computing with whatever replaces it, never gathered: refused, naming it. (A gathered parameter, inside its
+        unit's forward, may be: peft reparametrizes there.)"""
         value = dict.__getitem__(self, key)
         unit = self.on_read.owners.get(id(value)) if isinstance(self.on_read, OutsideReads) else None
         if unit is not None:

@@ -120,8 +120,9 @@ class GradientReducer:
             if storage.trainable:
                 self._accumulated.add(id(unit))
             return
-        if not (storage.trainable or id(unit) in self._accumulated or (self.sync_replicas and id(unit) in self._unsynced)):
-            return  # (what decides is the same on every rank: what they train, checked)
+        carried = id(unit) in self._accumulated or (self.sync_replicas and id(unit) in self._unsynced)
+        if not (storage.trainable or carried):  # (the same on every rank: what they train is checked)
+            return
         self.check_trainable()
         self._done.add(id(unit))
         self._accumulated.discard(id(unit))

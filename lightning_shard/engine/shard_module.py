@@ -293,7 +293,7 @@ def _refuse_lazy(root: nn.Module) -> None:
 
 def _refuse_pruned(root: nn.Module) -> None:
     """torch.nn.utils.prune keeps ``weight_orig``, a full-size ``weight_mask`` buffer, and a forward pre-hook that
-    computes ``weight`` from them: sharded, ``weight_orig`` would be a 1-D shard the hook multiplies by the full mask."""
+    computes ``weight`` from them: sharded, ``weight_orig`` would be a 1-D shard the hook multiplies by the mask."""
     pruned = [_fqn(name, hook._tensor_name) for name, m in root.named_modules()
               for hook in m._forward_pre_hooks.values() if isinstance(hook, prune.BasePruningMethod)]
     if pruned:

@@ -59,15 +59,15 @@ def _logs_this_step(trainer: "pl.Trainer") -> bool:
     return bool(getattr(connector, "should_update_logs", True))
 
 
-# what Lightning's ``grad_norm(module, norm_type)`` names its values: ``grad_2.0_norm/<parameter>``, ``grad_2.0_norm_total``
+# how Lightning's ``grad_norm(module, norm_type)`` names its values: ``grad_2.0_norm/<name>``, ``grad_2.0_norm_total``
 _GRAD_NORM_KEY = re.compile(r"grad_(\d+(\.\d+)?|inf)_norm")
 
 
 def warn_if_shard_norms_logged(strategy: Any, trainer: "pl.Trainer") -> None:
-    """Lightning's ``grad_norm(self, 2)`` reads ``p.grad`` of the parameters it finds, this rank's 1-D shards: its values
-    are each rank's part of the norms, not the norms. Nothing in it can be corrected from here, so what it logs is
-    told once (rank 0's values are the ones logged): values named as it names them, logged where the strategy's own
-    ``grad_norm`` (the same names, the unsharded model's numbers) was never called."""
+    """Lightning's ``grad_norm(self, 2)`` reads ``p.grad`` of the parameters it finds, this rank's 1-D shards: its
+    values are each rank's part of the norms, not the norms. Nothing in it can be corrected from here, so what it logs
+    is told once (rank 0's values are the ones logged): values named as it names them, logged where the strategy's
+    own ``grad_norm`` (the same names, the unsharded model's numbers) was never called."""
     if strategy.runtime is None or strategy.runtime.grad_norms_read or getattr(strategy, "_told_shard_norms", False):
         return
     logged = [key for key in trainer.callback_metrics if _GRAD_NORM_KEY.match(key)]
