@@ -43,6 +43,8 @@ def test_writes_inside_keep_gathered_are_written_back_from_the_modifier_rank_or_
         assert "keep_gathered(modifier_rank=0)" in report["refused"]
         assert "['linears.2.bias']" in report["refused_data_write"], report
         assert report["bf16_exact"]
+        assert report["bad_rank"] == ("ValueError: lightning_shard: keep_gathered(modifier_rank=...) takes a rank of the"
+                                      " runtime's group, 0 to 1 (or None: writes refused); got 2."), report["bad_rank"]
 
 
 def test_double_sharding_lazy_modules_and_tensors_outside_the_model_are_refused_by_name():

@@ -191,6 +191,7 @@ def writes_inside_keep_gathered(rank: int, world: int) -> dict:
     except RuntimeError as err:
         out["refused_data_write"] = str(err)
     assert_matches(runtime, plain, "a refused write changes nothing")
+    out["bad_rank"] = _error(lambda: runtime.keep_gathered(modifier_rank=world).__enter__())
     with runtime.keep_gathered(modifier_rank=1), torch.no_grad():  # rank 1's values kept, whatever rank 0 writes
         model.linears[0].weight.mul_(2.0 if rank == 1 else 3.0)
         model.linears[2].bias.fill_(0.25)

@@ -55,8 +55,8 @@ class HeldUnits:
         Writes to the parameters inside are kept with ``modifier_rank`` (a rank of the runtime's group): that rank's
         values are written back into the shards on exit (one broadcast per unit), on every rank; computing in a
         lower dtype, only the elements it wrote change their masters. Without it a write is an error on exit, on
-        every rank (each rank compares its part of the buffers with its shard; one tiny all-reduce). Leaving by an
-        exception runs no collective: writes are then lost."""
+        every rank, naming the parameters (their version counters, and each rank's part of the buffers compared with
+        its shard; one tiny all-reduce). Leaving by an exception runs no collective: writes are then lost."""
         if modifier_rank is not None and (not isinstance(modifier_rank, int) or isinstance(modifier_rank, bool)
                                           or not 0 <= modifier_rank < self.world_size):
             raise ValueError(f"lightning_shard: keep_gathered(modifier_rank=...) takes a rank of the runtime's group,"
