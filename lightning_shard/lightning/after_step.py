@@ -60,7 +60,7 @@ def _logs_this_step(trainer: "pl.Trainer") -> bool:
 
 
 # how Lightning's ``grad_norm(module, norm_type)`` names its values: ``grad_2.0_norm/<name>``, ``grad_2.0_norm_total``
-_GRAD_NORM_KEY = re.compile(r"grad_(\d+(\.\d+)?|inf)_norm")
+_GRAD_NORM_KEY = re.compile(r"(^|/)grad_(\d+(\.\d+)?|inf)_norm")
 
 
 def warn_if_shard_norms_logged(strategy: Any, trainer: "pl.Trainer") -> None:
@@ -70,7 +70,7 @@ def warn_if_shard_norms_logged(strategy: Any, trainer: "pl.Trainer") -> None:
     own ``grad_norm`` (the same names, the unsharded model's numbers) was never called."""
     if strategy.runtime is None or strategy.runtime.grad_norms_read or getattr(strategy, "_told_shard_norms", False):
         return
-    logged = [key for key in trainer.callback_metrics if _GRAD_NORM_KEY.match(key)]
+    logged = [key for key in trainer.callback_metrics if _GRAD_NORM_KEY.search(key)]
     if logged:
         strategy._told_shard_norms = True
         rank_zero_warn(
