@@ -170,7 +170,7 @@ def accumulation_habits(rank: int, world: int, policy: dict) -> dict:
     """Deferred all-reduce across replicas, against DDP's ``no_sync``: a ``zero_grad`` between micro-batches
     discards the earlier ones as under DDP, a gradient kept from the previous step (no ``zero_grad``) counts once,
     a last micro-batch whose backward fails and is run again keeps the earlier ones; a parameter frozen in the
-    middle of the window is an error on every rank."""
+    middle of the window keeps them (no error)."""
     g = torch.Generator().manual_seed(3)
     batches = [models.TinyGPT.batch(g, 4 * world) for _ in range(6)]
     torch.manual_seed(0)

@@ -54,7 +54,9 @@ def test_zero_grad_failure_and_freezing_inside_an_accumulation_window(hybrid_2x2
         # zero_grad inside, no zero_grad between, a failed backward run again: as DDP without the failure
         assert habits["max_param_error"] < 1e-6, habits
         assert habits["failed"] == ["a failing backward"]
-        assert "frozen during gradient accumulation" in habits["frozen_error"], habits
+        # a parameter frozen inside the window keeps the sums it got, all-reduced as plain torch keeps them (exact:
+        # tests/test_zero3_peers.py; it was refused)
+        assert habits["frozen_error"] is None, habits
 
 
 def test_a_mesh_of_ones_own_trains_as_shard_size(hybrid_2x2):

@@ -1,5 +1,6 @@
 """Unit planning and bad input: clear errors at construction, naming the option and allowed values."""
 
+import copy
 
 import pytest
 import torch
@@ -239,14 +240,20 @@ class _ReadsWeightDirectly(nn.Module):
         return self.head(self.wte(ids) + self.wpe.weight[: ids.shape[1]])
 
 
-def test_a_parameter_used_while_its_unit_is_not_gathered_stops_training():
+def test_a_parameter_read_directly_is_gathered_and_one_used_while_its_unit_is_not_gathered_stops_training():
     ids = torch.randint(0, 16, (2, 8))
+    torch.manual_seed(0)
     model = _ReadsWeightDirectly()
-    shard_module(model, units=["Embedding"])  # wpe's unit is never gathered: its module is never called
-    with pytest.raises(RuntimeError, match="'wpe.weight' was used while its unit was not gathered: its module was"
-                                           " not called"):
-        model(ids).sum().backward()  # before: trained on with a wrong gradient, silently
-    # a penalty over self.parameters() after forward reads the freed units' shards too
+    plain = copy.deepcopy(model)
+    # wpe's module is never called: `self.wpe.weight` gathers its unit for the read (DeepSpeed's external parameters;
+    # before: an error here, and before that, trained on with a wrong gradient, silently)
+    shard_module(model, units=["Embedding"])
+    model(ids).sum().backward()
+    plain(ids).sum().backward()
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad.reshape(-1), rtol=1e-6, atol=1e-7, msg=name)
+    # a penalty over self.parameters() after forward reads the freed units' shards (no lookup by name gathers them)
     model = models.TinyGPT()
     shard_module(model)
     loss = model(torch.randint(0, 37, (2, 5))).float().mean()

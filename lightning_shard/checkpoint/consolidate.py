@@ -4,8 +4,9 @@
 
 The result is what ``state_dict_type="full"`` would have written: ``state_dict`` loads into the plain
 LightningModule (``load_state_dict`` or ``load_from_checkpoint``), ``optimizer_states`` are ordinary
-``Optimizer.state_dict()``s, and ``trainer.fit(ckpt_path=OUT.pt)`` resumes from it. Runs in one process,
-without a process group; it needs memory for the whole model (that is the point of the output).
+``Optimizer.state_dict()``s, and ``trainer.fit(ckpt_path=OUT.pt)`` resumes from it. Runs in one process and
+runs no collective, also on one rank of a running job (``if trainer.is_global_zero: consolidate(path)``), whatever
+the other ranks do meanwhile; it needs memory for the whole model (that is the point of the output).
 
 Ours, not ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``: that writes DCP's flat keys, while a
 Lightning checkpoint needs ordinary optimizer states and ``meta.pt`` put back together, with our manifest checked.
@@ -40,7 +41,7 @@ def consolidate(directory: Union[str, Path], out: Optional[Union[str, Path]] = N
     if directory.is_file():
         raise files.CheckpointError(f"{str(directory)!r} is a file, not a sharded checkpoint directory (a"
                                     " full checkpoint file needs no consolidation).")
-    files.verify_directory(directory)
+    files.verify_directory(directory, alone=True)  # no collective: it may run on one rank of a running job
     metadata = read_metadata(directory)
     tensors = {key: torch.empty(md.size, dtype=md.properties.dtype)
                for key, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}

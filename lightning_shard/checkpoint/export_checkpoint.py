@@ -114,13 +114,13 @@ def _open(path: Path) -> tuple[dict[str, int], dict[str, Any], Callable[[list[st
     """A sharded directory's or a full file's model weights (name -> bytes), its record, and how to read some."""
     path = files.resolve(path)
     if path.is_file():
-        files.verify_full_file(path)
+        files.verify_full_file(path, alone=True)  # no collective: it may run on one rank of a running job
         loaded = files.load_weights(path, "checkpoint", mmap=True)
         state = loaded.get("state_dict", loaded) if isinstance(loaded, dict) else {}
         tensors = {k: v for k, v in state.items() if isinstance(v, Tensor)}
         names = {k: v.numel() * v.element_size() for k, v in tensors.items()}
         return names, loaded.get(RECORD, {}), lambda batch: {n: tensors[n] for n in batch}
-    files.verify_directory(path)
+    files.verify_directory(path, alone=True)
     metadata = read_metadata(path).state_dict_metadata
     model = {k[len(MODEL_PREFIX):]: md for k, md in metadata.items()
              if k.startswith(MODEL_PREFIX) and isinstance(md, TensorStorageMetadata)}

@@ -156,8 +156,10 @@ def resolve(path: Path) -> Path:
     return path  # a file: a full checkpoint
 
 
-def verify_directory(directory: Path, group: Optional[dist.ProcessGroup] = None) -> dict[str, Any]:
-    """Check every file listed in the manifest (ranks share the reading); raise on every rank if any is bad."""
+def verify_directory(directory: Path, group: Optional[dist.ProcessGroup] = None, alone: bool = False) -> dict[str, Any]:
+    """Check every file listed in the manifest (ranks share the reading); raise on every rank if any is bad.
+    ``alone``: this process reads every file itself and runs no collective, whatever process group exists (a
+    consolidation on one rank of a running job)."""
     try:
         manifest = json.loads((directory / MANIFEST).read_text())
         files = manifest["files"]
@@ -165,12 +167,12 @@ def verify_directory(directory: Path, group: Optional[dist.ProcessGroup] = None)
             raise ValueError(f"unknown format {manifest.get('format')!r}")
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise CheckpointError(f"The manifest of checkpoint {str(directory)!r} is unreadable: {err}") from err
-    rank, world = _rank_world(group)
+    rank, world = _rank_world(group, alone)
     problems = []
     for i, (name, expected) in enumerate(sorted(files.items())):
         if i % world == rank:
             problems += _check_file(directory / name, expected)
-    _raise_if_any(problems, directory, group)
+    _raise_if_any(problems, directory, group, alone)
     return manifest
 
 
@@ -185,9 +187,10 @@ def _check_file(path: Path, expected: dict[str, int]) -> list[str]:
     return []
 
 
-def verify_full_file(path: Path, group: Optional[dist.ProcessGroup] = None) -> None:
-    """Check a torch zip checkpoint's records against their CRC-32 (ranks share the reading)."""
-    rank, world = _rank_world(group)
+def verify_full_file(path: Path, group: Optional[dist.ProcessGroup] = None, alone: bool = False) -> None:
+    """Check a torch zip checkpoint's records against their CRC-32 (ranks share the reading; ``alone``: as
+    :func:`verify_directory`)."""
+    rank, world = _rank_world(group, alone)
     problems = []
     try:
         with zipfile.ZipFile(path) as archive:
@@ -202,17 +205,18 @@ def verify_full_file(path: Path, group: Optional[dist.ProcessGroup] = None) -> N
                     problems.append(f"record {info.filename}: {err}")
     except (zipfile.BadZipFile, OSError) as err:
         problems.append(f"not a readable torch checkpoint ({err}); truncated or corrupted?")
-    _raise_if_any(problems, path, group)
+    _raise_if_any(problems, path, group, alone)
 
 
-def _rank_world(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
+def _rank_world(group: Optional[dist.ProcessGroup], alone: bool) -> tuple[int, int]:
+    if not alone and dist.is_available() and dist.is_initialized():
         return dist.get_rank(group), dist.get_world_size(group)
     return 0, 1
 
 
-def _raise_if_any(problems: list[str], where: Path, group: Optional[dist.ProcessGroup]) -> None:
-    problems = sorted({p for rank_problems in from_every_rank(problems, group) for p in rank_problems})
+def _raise_if_any(problems: list[str], where: Path, group: Optional[dist.ProcessGroup], alone: bool) -> None:
+    everyone = [problems] if alone else from_every_rank(problems, group)
+    problems = sorted({p for rank_problems in everyone for p in rank_problems})
     if problems:
         raise CheckpointError(f"Checkpoint {str(where)!r} is damaged: " + "; ".join(problems))
 

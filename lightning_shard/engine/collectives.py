@@ -207,10 +207,10 @@ def gather_pieces(out: Optional[Tensor], piece: Tensor, bounds: list[tuple[int, 
             dist.isend(on_backend_device(piece.contiguous(), group), dst=ranks[0], group=group).wait()
 
 
-def broadcast(flat: Tensor, group, stats: CommStats, label: str = "broadcast") -> Tensor:
-    """Rank 0's ``flat`` on every rank, in place."""
+def broadcast(flat: Tensor, group, stats: CommStats, label: str = "broadcast", src: int = 0) -> Tensor:
+    """Rank ``src``'s ``flat`` (its rank in ``group``) on every rank, in place."""
     stats.broadcast_bytes += flat.numel() * flat.element_size()
-    src = dist.get_global_rank(group, 0) if group is not None else 0
+    src = dist.get_global_rank(group, src) if group is not None else src
     staged = on_backend_device(flat, group)
     launch = functools.partial(dist.broadcast, staged, src=src, group=group)
     return _run(launch, flat, stats, False, label=label, written=staged).result

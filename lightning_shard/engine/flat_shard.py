@@ -24,6 +24,8 @@ import torch
 from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors
 
+from lightning_shard.engine.outside import GatheredParameters, ShardParameters
+
 
 @dataclass(frozen=True)
 class ParamSlot:
@@ -106,6 +108,10 @@ class FlatShard:
                 shards[attr], gathered[attr] = self.shard_params[i], self.gathered_params[i]
         self._shards_in_tree = [(parameters, shards) for parameters, shards, _ in in_tree.values()]
         self._gathered_in_tree = [(parameters, gathered) for parameters, _, gathered in in_tree.values()]
+        self.trees = [parameters for parameters, _, _ in in_tree.values()]
+        # the dicts holding this unit's parameters only, whose class follows its state (engine/outside.py)
+        self.sole_trees: list[dict] = []
+        self.gathered_ids = frozenset(map(id, self.gathered_params))
         self.trainable = [i for i, s in enumerate(slots) if s.requires_grad]
         self.requires_grad = [s.requires_grad for s in slots]  # as last synced (see sync_requires_grad)
         self._both_params = self.shard_params + self.gathered_params  # compared in one pass at every use of the unit
@@ -177,10 +183,14 @@ class FlatShard:
     def use_gathered(self) -> None:
         for parameters, gathered in self._gathered_in_tree:
             parameters.update(gathered)
+        for parameters in self.sole_trees:
+            parameters.__class__ = GatheredParameters
 
     def use_shards(self) -> None:
         for parameters, shards in self._shards_in_tree:
             parameters.update(shards)
+        for parameters in self.sole_trees:
+            parameters.__class__ = ShardParameters
 
     # -- gradients ----------------------------------------------------------------------------------
     def sync_requires_grad(self) -> list[nn.Parameter]:
@@ -232,20 +242,18 @@ class FlatShard:
 
     def hand_over_grads(self, reduce_dtype: torch.dtype) -> None:
         """One rank and nothing to reduce: the numbers of :meth:`take_unsharded_grads` then
-        :meth:`accumulate_shard_grad` (the gradient of a parameter frozen since it got one is dropped, not left for a
-        later step). Computing in the master dtype, without their flat buffer: each gathered parameter's gradient
-        becomes its shard parameter's, flattened (no copy), or is added to the one it has."""
+        :meth:`accumulate_shard_grad` (a parameter frozen since it got its gradient keeps it, as in plain torch).
+        Computing in the master dtype, without their flat buffer: each gathered parameter's gradient becomes its shard
+        parameter's, flattened (no copy), or is added to the one it has."""
         if not (reduce_dtype == self.param_dtype == self.master_dtype):  # a cast per unit, not one per parameter
             flat, used, _ = self.take_unsharded_grads(reduce_dtype)
             self.accumulate_shard_grad(flat, used)
             return
-        for gathered, shard, trains in zip(self.gathered_params, self.shard_params, self.requires_grad):
+        for gathered, shard in zip(self.gathered_params, self.shard_params):
             grad = gathered.grad
             if grad is None:
                 continue
             gathered.grad = None
-            if not trains:
-                continue
             grad = grad.reshape(-1)
             if shard.grad is None:
                 shard.grad = grad
@@ -280,15 +288,8 @@ class FlatShard:
 
     def take_shard_grads(self, slots: set[int]) -> Optional[tuple[Tensor, list[int]]]:
         """The ``.grad`` of ``slots`` as one flat shard (zeros elsewhere) and the slots that had one, taken off the
-        shard parameters; ``None`` if none had one. ``slots`` hold sums not yet all-reduced across replicas: one
-        frozen since is an error (its replicas would keep different gradients)."""
-        frozen = [self.slots[i].names[0] for i in sorted(slots)
-                  if not self.requires_grad[i] and self.shard_params[i].grad is not None]
-        if frozen:
-            raise RuntimeError(
-                f"lightning_shard: {frozen} hold gradients of earlier micro-batches not yet all-reduced across"
-                " replicas, and were frozen during gradient accumulation. Freeze or unfreeze parameters between"
-                " optimizer steps (or use reduce_during_accumulation=False).")
+        shard parameters; ``None`` if none had one. ``slots`` hold sums not yet all-reduced across replicas (frozen
+        since or not: all-reduced all the same, as plain torch keeps a frozen parameter's gradient)."""
         held = [i for i in sorted(slots) if self.shard_params[i].grad is not None]
         if not held:
             return None
@@ -321,10 +322,11 @@ class FlatShard:
         # one split() for the views, unless autograd records them (create_graph=True): split()'s views then refuse
         # the in-place add below
         split = None if reduced.requires_grad else reduced.split_with_sizes(self._grad_split)
-        for i in self.trainable:
-            param = self.shard_params[i]
+        used_here = set(used)
+        # every slot holding a gradient, trainable or not: one frozen since it got one keeps it, as in plain torch
+        for i, param in enumerate(self.shard_params):
             grad = param.grad
-            if grad is None and i not in used:
+            if grad is None and i not in used_here:
                 continue
             if split is not None:
                 view = split[i]
@@ -352,11 +354,11 @@ def _refuse_autograd_grads(shard: nn.Parameter, slot: ParamSlot) -> None:
 
     def refuse(_: Tensor) -> None:
         raise RuntimeError(
-            f"lightning_shard: {slot.names[0]!r} was used while its unit was not gathered: its module was not"
-            " called (its weight read directly, e.g. `self.wpe.weight[:T]`), or it was read outside the forward"
-            " (a penalty over `self.parameters()` in training_step). A unit's parameters are gathered when one"
-            " of its modules is called: put the code that reads it in the same unit (`units=`), or compute it"
-            " inside a forward (weight decay: the optimizer's `weight_decay`).")
+            f"lightning_shard: {slot.names[0]!r} was used while its unit was not gathered: it was reached through"
+            " `self.parameters()` or a reference kept from outside the step (a penalty over `self.parameters()` in"
+            " training_step), not looked up by name. A unit's parameters are gathered when one of its modules is"
+            " called, or when one of them is looked up by name inside a step (`self.wpe.weight`): read it by name"
+            " there, or compute it inside a forward (weight decay: the optimizer's `weight_decay`).")
 
     shard.register_post_accumulate_grad_hook(refuse)
     shard._refuses_autograd_grads = True

@@ -45,8 +45,10 @@ from lightning_shard.engine.guards import ModuleGuards
 from lightning_shard.engine.held import HeldUnits
 from lightning_shard.engine.host_step import HostStepper
 from lightning_shard.engine.optimizer_attach import OptimizerAttachment, RuntimeOptimizers
+from lightning_shard.engine.outside import OutsideReads, keep_returned
 from lightning_shard.engine.norms import RuntimeNorms
 from lightning_shard.engine.reduce import GradientReducer
+from lightning_shard.engine.step_figures import StepFigures
 from lightning_shard.engine.streams import streams_for
 from lightning_shard.engine.unit import Unit
 
@@ -78,13 +80,9 @@ class ShardRuntime(HeldUnits, ModelEntries, RuntimeOptimizers, RuntimeNorms, Mod
         self.steps_done = 0
         self.skipped_steps = 0
         self.stats = CommStats()
-        # the last training step's figures: one part per optimizer step (manual optimization may step several),
-        # each with what the device still knows of its exposed time; summed when read
-        self._step_parts: list[tuple[dict[str, float], Optional[list]]] = []
-        self._last_step_stats: Optional[dict[str, float]] = None
-        self._training_forward_since_step = True
         device = units[0].storage.device if units else torch.device("cpu")
         self.streams = streams_for(device, check=os.environ.get(CHECK_STREAMS) == "1")
+        self.figures = StepFigures(self.stats, self.streams)
         self.schedule = GatherSchedule(groups.shard, self.stats, prefetch, self.streams)
         self.elision = BackwardElision(units, self.schedule, elide_backward_gathers, groups.agreements,
                                        self.world_size, self.stats)
@@ -108,11 +106,13 @@ class ShardRuntime(HeldUnits, ModelEntries, RuntimeOptimizers, RuntimeNorms, Mod
         self._steps_driven = False  # run_step is in use: a bare root forward is not a step
         self._held = False  # inside keep_gathered(): every unit gathered, forwards run no collective
         self.undo: list[Callable[[], None]] = []  # restores what was wrapped at setup (activation checkpointing)
-        self.optimizers = OptimizerAttachment(units, groups, self.stats, self.host_stepper)
+        self.optimizers = OptimizerAttachment(units, groups, self.stats, root, self.host_stepper)
         self.optimizers.before_step = lambda: refuse_unseen_gradients(units, self.reducer, "an optimizer step")
         for unit in units:  # one rank, computing in the shard itself: nothing to free or reduce before backward ends
             unit.watches_backward_end = not (self.world_size == 1 and unit.storage.aliases_shard)
         self._install_hooks()
+        self.outside = OutsideReads(units, self._gather_for_reader)  # lookups of shard parameters
+        self.undo.append(self.outside.stop)
 
     @property
     def trace(self) -> Optional[list[tuple[str, str]]]:
@@ -168,6 +168,7 @@ class ShardRuntime(HeldUnits, ModelEntries, RuntimeOptimizers, RuntimeNorms, Mod
                 if self.restage_each_step:
                     unit.storage.shards_changed()  # offload: copied from the master again, whatever wrote it since
                 unit.forget_calls()
+                unit.read_outside = unit.returned_parameters = False
             for unit in self.units:
                 self._follow_requires_grad(unit)
             if step and self.world_size > 1 and torch.is_grad_enabled():
@@ -178,7 +179,7 @@ class ShardRuntime(HeldUnits, ModelEntries, RuntimeOptimizers, RuntimeNorms, Mod
                 # DDP's broadcast_buffers: the next step starts from rank 0's buffers if this one may change them
                 self._buffers_stale = torch.is_grad_enabled() and self.reducer.sync_grads
             if torch.is_grad_enabled():
-                self._training_forward_since_step = True
+                self.figures.forward_since_step = True
             if self.root_unit is not None:
                 self.schedule.gather(self.root_unit)
             self.schedule.start_forward()
@@ -207,30 +208,18 @@ class ShardRuntime(HeldUnits, ModelEntries, RuntimeOptimizers, RuntimeNorms, Mod
     def after_optimizer_step(self) -> None:
         """Close the step's communication figures; re-gather units still gathered (manual optimization)."""
         self.streams.writes(*(("shard", unit.name) for unit in self.units))  # the optimizer, on compute
-        if self._training_forward_since_step:  # else another optimizer of the same step (manual optimization)
-            self._step_parts = []
-        self._step_parts.append((self.stats.as_dict(), self.streams.close_step()))
-        self._training_forward_since_step = False
-        self._last_step_stats = None
-        self.stats.reset()
+        self.figures.close_part()
         self.steps_done += 1
         if self._backward_graph_kept:  # the shards changed under the kept graph: it is done with
             self._free_after_backward()
+        for unit in (u for u in self.units if u.read_outside and not u.is_gathered):  # kept for a reader's backward
+            self.schedule.reshard(unit)
         self.refresh_gathered(stepped=True)
 
     @property
     def last_step_stats(self) -> dict[str, float]:
-        """The last step's communication figures. On a GPU, ``exposed_seconds`` is the time the compute stream
-        waited for the gather and reduce streams, measured by CUDA events (reading it waits for that step)."""
-        if self._last_step_stats is None:
-            total: dict[str, float] = {}
-            for stats, closed in self._step_parts:
-                if closed is not None:
-                    stats = {**stats, "exposed_seconds": self.streams.exposed_seconds(closed)}
-                for key, value in stats.items():
-                    total[key] = total.get(key, 0) + value
-            self._last_step_stats = total
-        return self._last_step_stats
+        """The last step's communication figures (step_figures.py)."""
+        return self.figures.total
 
     def refresh_gathered(self, stepped: bool = False) -> None:
         """The shards were written (a load; ``stepped``: an optimizer step, which writes only the parameters that have
@@ -319,12 +308,26 @@ class ShardRuntime(HeldUnits, ModelEntries, RuntimeOptimizers, RuntimeNorms, Mod
         unit.call_began = torch.autograd._get_sequence_nr()  # after the nodes made here: they are not the call's own
         return arguments
 
+    def _gather_for_reader(self, unit: Unit) -> bool:
+        """A module outside ``unit`` looked up one of its parameters: gathered where a step or a backward runs."""
+        if self._held or not (self._depth > 0 or (self._final_callback_queued and in_backward())):
+            return False
+        self._follow_requires_grad(unit)
+        self.schedule.gather(unit)
+        unit.read_outside = True
+        if unit.storage.trainable and not unit.parameters_watched:  # its gradient may be the backward's first
+            self._watch_parameters(unit)
+        return True
+
     def _recomputing_for_saved_tensors(self, unit: Unit) -> bool:
         """A call inside backward of a unit whose backward is still to come: a non-reentrant checkpoint
         recomputing saved tensors. Its graph is never run backward, so it gets no backward hooks."""
         return self._final_callback_queued and unit.backward_pending > 0
 
     def _post_forward(self, unit: Unit, module: nn.Module, output: Any) -> Any:
+        if not unit.storage.aliases_shard:  # its gathered buffer is freed: what it returns of it is copied
+            output, carries = keep_returned(output, unit.storage.gathered_ids)
+            unit.returned_parameters |= carries
         if self._held:
             return output
         grad_enabled = torch.is_grad_enabled()
@@ -334,7 +337,7 @@ class ShardRuntime(HeldUnits, ModelEntries, RuntimeOptimizers, RuntimeNorms, Mod
         keep_for_backward = grad_enabled and bool(order) and unit is order[-1]
         # a recomputation inside backward: the unit's backward follows at once and frees it
         recomputing = self._final_callback_queued
-        if (module is unit.members[-1] and not keep_for_backward and not recomputing
+        if (module is unit.members[-1] and not keep_for_backward and not recomputing and not unit.read_outside
                 and (unit.reshard_after_forward or not grad_enabled)):
             self.schedule.reshard(unit, keep_storage=self._backward_graph_kept)
         if grad_enabled and not self._recomputing_for_saved_tensors(unit):
@@ -359,10 +362,11 @@ class ShardRuntime(HeldUnits, ModelEntries, RuntimeOptimizers, RuntimeNorms, Mod
         if self._backward_graph_kept or torch.is_grad_enabled():  # (grad mode in backward: create_graph=True)
             return  # reduced, and freed, at the end of backward: a node of the kept graph may still read or add to it
         unit.backward_pending -= 1
-        if unit.backward_pending > 0 or unit.unseen_backward:  # another call's backward may still be running
-            return
+        if unit.backward_pending > 0 or unit.unseen_backward or unit.read_outside:  # another call's backward may
+            return  # still be running; or code outside the unit computed with it, to the end of backward (outside.py)
         self.schedule.reshard(unit)  # first: its gathered buffer is free before its gradients are flattened
-        self.reducer.reduce(unit)
+        if not unit.returned_parameters:
+            self.reducer.reduce(unit)
 
     def _start_backward(self, _param: Optional[Tensor]) -> None:  # also a post-accumulate-grad hook (_watch_parameters)
         if not self._final_callback_queued:
@@ -398,7 +402,7 @@ class ShardRuntime(HeldUnits, ModelEntries, RuntimeOptimizers, RuntimeNorms, Mod
         self._backward_graph_kept = keep_storage
         for unit in self.units:
             if unit is not self.root_unit or self._depth == 0:
-                self.schedule.reshard(unit, keep_storage)
+                self.schedule.reshard(unit, keep_storage or unit.read_outside)
 
     def _recover_from_failed_backward(self) -> None:
         """A backward raised (e.g. a caught out-of-memory) before its final callback ran: drop its partial

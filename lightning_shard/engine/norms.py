@@ -88,6 +88,8 @@ class RuntimeNorms:
     """ShardRuntime's gradient norms, and what a non-finite gradient does (mixed in: ``units``, ``root``, ``groups``,
     ``stats``, ``reducer``, ``nonfinite``, ``steps_done``, ``skipped_steps``, ``host_stepper``)."""
 
+    grad_norms_read = False  # grad_norms() was called
+
     def _apply_nonfinite_policy(self) -> bool:
         """All ranks agree whether any gradient shard is not finite (a non-finite loss makes them so). Returns
         whether the step is skipped."""
@@ -123,6 +125,7 @@ class RuntimeNorms:
     def grad_norms(self, norm_type: float = 2.0) -> tuple[list[str], Tensor, Tensor]:
         """The names of the parameters that have a gradient, each one's gradient norm over all shards, and their
         total norm: Lightning's ``grad_norm(model, norm_type)`` on the unsharded model."""
+        self.grad_norms_read = True  # (the strategy's warning about Lightning's grad_norm of the shards is not needed)
         named = list(self.root.named_parameters())
         shards, sharded = self._shards_of([p for _, p in named])
         kept = [i for i, shard in enumerate(shards) if shard.grad is not None]

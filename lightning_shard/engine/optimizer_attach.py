@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_shard.engine.collectives import CommStats
@@ -24,13 +24,15 @@ from lightning_shard.engine.fused_default import FusedWhereUnchosen, fused_by_de
 from lightning_shard.engine.groups import ShardGroups
 from lightning_shard.engine.norms import check_norm_type
 from lightning_shard.engine.offload import prepare_host_step
-from lightning_shard.engine.optimizer_step import DEFAULT_STEP_GROUP_NUMEL, ShardedStep
+from lightning_shard.engine.optimizer_step import DEFAULT_STEP_GROUP_NUMEL, ShardedStep, refuse_foreign
 from lightning_shard.engine.unit import Unit
 
 
 class OptimizerAttachment:
-    def __init__(self, units: list[Unit], groups: ShardGroups, stats: CommStats, host_stepper: Any = None) -> None:
+    def __init__(self, units: list[Unit], groups: ShardGroups, stats: CommStats, root: nn.Module,
+                 host_stepper: Any = None) -> None:
         self.units = units
+        self.root = root
         self.host_stepper = host_stepper  # offload's overlapped step, given to each optimizer's step
         self.groups = groups
         self.group = groups.shard  # owners' exchanges; the world agrees on the param groups
@@ -86,7 +88,9 @@ class OptimizerAttachment:
                      and fused_by_default(type(optimizer), first.shard.device, first.master_dtype))
         where = {id(shard): (u, unit.storage, s) for u, unit in enumerate(self.units)
                  for s, shard in enumerate(unit.storage.shard_params)}
+        refuse_foreign(optimizer, where, self._describe)
         step = ShardedStep(optimizer, whole, where, self.groups, self.stats, step_group_numel)
+        step.describe = self._describe
         step.fused = FusedWhereUnchosen(optimizer) if fused else None
         step.before_step = self.before_step
         step.host_stepper = self.host_stepper
@@ -134,6 +138,13 @@ class OptimizerAttachment:
                 del optimizer.__dict__["step"]
             else:
                 optimizer.step = had  # type: ignore[method-assign]
+
+    def _describe(self, tensor: Tensor) -> str:
+        """A tensor that is not a sharded parameter, for an error: its name where the model registers it."""
+        name = next((n for n, p in self.root.named_parameters() if p is tensor), None)
+        if name is not None:
+            return f"{name!r} (registered after sharding)"
+        return f"a tensor of shape {tuple(tensor.shape)} outside the model"
 
     def _is_placeholder(self, param: object) -> bool:
         entry = self._placeholders.get(id(param))

@@ -69,6 +69,7 @@ class ShardedStep:
         # torch's fused kernel where the groups chose no implementation (on a GPU; offload: on the CPU)
         self.fused: Optional[FusedWhereUnchosen] = None
         self.host_stepper: Any = None  # offload's overlapped step (host_step.py): may have stepped already
+        self.describe: Callable[[Tensor], str] = lambda p: f"a tensor of shape {tuple(p.shape)}"  # (attach names them)
         if whole:  # its own ``step`` would step 1-D shards, or nothing: only this one may run
             optimizer.register_step_pre_hook(self._refuse_own_step)
 
@@ -111,6 +112,7 @@ class ShardedStep:
         """The plan for the optimizer's current parameters, planned again when its param groups change
         (``add_param_group``). The same on every rank once they agreed on the groups."""
         if self._plan is None or self._plan.key != params_key(self.optimizer):
+            refuse_foreign(self.optimizer, self.where, self.describe)  # (a param group added since)
             whole_shards = not self.whole and _steps_parameter_by_parameter(self.optimizer)
             self._plan = plan_step(self.optimizer, self.where, self.whole, self.world,
                                    2**62 if whole_shards else self.group_numel, self._owners)
@@ -293,3 +295,17 @@ def _raw_step(optimizer: Optimizer) -> Callable[[Optimizer], Any]:
     """The class's ``step`` without torch's hook wrapper (:class:`ShardedStep` runs the hooks once itself)."""
     step = type(optimizer).step
     return getattr(step, "__wrapped__", step) if getattr(step, "hooked", False) else step
+
+
+def refuse_foreign(optimizer: Optimizer, where: dict[int, Any], describe: Callable[[Tensor], str]) -> None:
+    """Every tensor an optimizer of the sharded model holds must be one of the model's sharded parameters (``where``:
+    their ids): any other (a module added after ``shard_module``, a tensor of the user's) gets each rank's own gradient,
+    which no collective averages, and the ranks' copies would drift apart with every step."""
+    foreign = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in where]
+    if foreign:
+        raise ValueError(
+            f"lightning_shard: {type(optimizer).__name__} holds {', '.join(describe(p) for p in foreign[:4])}, which"
+            " are not parameters of the sharded model: each rank would step them with its own gradient, never"
+            " averaged, and the ranks' copies would drift apart. Add such modules to the model before it is sharded"
+            " (with Lightning: in the LightningModule's `__init__` or `configure_model`, not in `configure_optimizers`)"
+            ", or leave them out of the optimizer.")

@@ -362,8 +362,8 @@ def _suggestion(root: nn.Module, plans: list[UnitPlan], reader: str, share: floa
     matched = [name for name, m in root.named_modules() if type(m).__name__ == enclosing]
     shown = ", ".join(matched[:4]) + (", ..." if len(matched) > 4 else "")
     return (f"E.g. `units={classes}` leaves {new_share:.0%} in the root; {enclosing!r} matches {shown}, and a unit's"
-            f" parameters are gathered when one of its modules is called, so each must be called, not have its"
-            f" weight read directly. Or set `unit_size=` (a parameter budget per unit).")
+            f" parameters are gathered when one of its modules is called (a weight read directly from outside it"
+            f" gathers it too, kept to the end of backward). Or set `unit_size=` (a parameter budget per unit).")
 
 
 def _qualified(module_name: str, attr: str) -> str:

@@ -78,6 +78,9 @@ class GradientReducer:
         self._reduced: list[_Reduction] = []  # waiting for the ranks' agreed used-mask
         # id(unit) -> the slots whose shard parameter's .grad holds sums not yet all-reduced across replicas
         self._unsynced: dict[int, set[int]] = {}
+        # ids of units that trained in a backward inside no_sync(): their gathered parameters may hold gradients,
+        # frozen since or not, which the next backward outside reduces (plain torch keeps and steps them)
+        self._accumulated: set[int] = set()
         self._reductions = 0  # numbers each reduction's buffers for the stream checker (a unit may reduce twice)
         self._done: set[int] = set()  # ids of units reduced in this backward
         self._trainable_check: Optional[Pending] = None  # the ranks' comparison of what they train, in flight
@@ -113,10 +116,18 @@ class GradientReducer:
         """Start reducing the unit's gradients (a unit's post-backward; ``sweep``: the end of backward, for
         units not reduced yet). A unit called twice whose post-backward fires twice reduces twice."""
         storage = unit.storage
-        if not self.sync_grads or not storage.trainable or (sweep and id(unit) in self._done):
+        if sweep and id(unit) in self._done:
+            return
+        if not self.sync_grads:
+            if storage.trainable:
+                self._accumulated.add(id(unit))
+            return
+        carried = id(unit) in self._accumulated or (self.sync_replicas and id(unit) in self._unsynced)
+        if not (storage.trainable or carried):  # (the same on every rank: what they train is checked)
             return
         self.check_trainable()
         self._done.add(id(unit))
+        self._accumulated.discard(id(unit))
         if self.world_size == 1 and not storage.offloaded:  # nothing to reduce, nowhere to move
             if storage.aliases_shard:  # its gradients become the shards' as they are, at the end
                 self._handed.append(unit)
@@ -180,14 +191,6 @@ class GradientReducer:
         self._handed.clear()
         self._complete_all()
         self._done.clear()
-        if self.sync_replicas and self._unsynced:  # every unit with trainable parameters was reduced: none left
-            left = [unit.name for unit in self.units if id(unit) in self._unsynced]
-            self._unsynced.clear()
-            self._reduced.clear()  # this step's gradients are dropped with it, not left for the next one
-            raise RuntimeError(
-                f"lightning_shard: units {left} hold gradients of earlier micro-batches not yet all-reduced across"
-                " replicas, and their parameters were frozen during gradient accumulation. Freeze or unfreeze"
-                " parameters between optimizer steps (or use reduce_during_accumulation=False).")
         reduced, self._reduced = self._reduced, []
         if not reduced:
             if self.sync_grads and self.world_size > 1:  # nothing trains (a backward to the inputs): gathers only

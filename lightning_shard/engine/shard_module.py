@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.parameter import is_lazy
+from torch.nn.utils import prune
 
 from lightning_shard.engine.activation_checkpointing import (
     CheckpointSpec,
@@ -27,6 +29,7 @@ from lightning_shard.engine.groups import build_groups, validate_shard_size, val
 from lightning_shard.engine.hooks import ShardRuntime
 from lightning_shard.engine.materialize import Materializer
 from lightning_shard.engine.offload import HostShard, validate_offload
+from lightning_shard.engine.outside import TreeParameters, adopt
 from lightning_shard.engine.plan import (
     UnitPlan,
     UnitSpec,
@@ -91,6 +94,9 @@ def shard_module(
     if existing is not None:
         _check_resharding(existing, options, group, device, mesh)
         return existing
+    _refuse_sharded_parts(module)  # (before any collective: every rank raises the same)
+    _refuse_lazy(module)
+    _refuse_pruned(module)
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank(group) if distributed else 0
     world = dist.get_world_size(group) if distributed else 1
@@ -121,6 +127,9 @@ def shard_module(
             continue
         materializer.unit(plan)
         slots, flat = _flatten(module, plan)
+        for slot in slots:
+            for owner, _ in slot.locations:
+                adopt(owner)  # before the storage records the dict its parameters are registered in
         plan.params.clear()  # the unit's full tensors go with their last reference
         if world > 1:
             dist.broadcast(flat, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
@@ -249,6 +258,50 @@ def _flatten(root: nn.Module, plan: UnitPlan) -> tuple[list[ParamSlot], torch.Te
         pieces.append(param.detach().reshape(-1))
         offset += param.numel()
     return slots, torch.cat(pieces)
+
+
+def _refuse_sharded_parts(root: nn.Module) -> None:
+    """A parameter is sharded once, by one runtime: sharding a model whose submodule was sharded (or that shares a
+    submodule with another sharded model) would flatten that runtime's 1-D shards as if they were the parameters, and
+    two runtimes would gather and step the same tensors (silently wrong, or a shape error)."""
+    runtimes = [name for name, m in root.named_modules() if name and getattr(m, "_shard_runtime", None) is not None]
+    if runtimes:
+        raise ValueError(
+            f"lightning_shard: submodules {runtimes[:4]} of this model are sharded already (by an earlier shard_module"
+            " call): each parameter is sharded once, by one runtime. Shard the whole model once (its submodules"
+            " become units: name their classes in `units=`), on a model none of whose parts was sharded.")
+    held = [_fqn(name, attr) for name, m in root.named_modules()
+            if isinstance(m.__dict__.get("_parameters"), TreeParameters) for attr in m._parameters]
+    if held:
+        raise ValueError(
+            f"lightning_shard: parameters {held[:4]} are sharded already, by the runtime of another model this one"
+            " shares modules with: each parameter is sharded once, by one runtime. Shard one model holding every"
+            " part (a module with both as submodules), or give each model its own copy of the shared module.")
+
+
+def _refuse_lazy(root: nn.Module) -> None:
+    """A lazy module (``nn.LazyLinear`` ...) has no shape until its first forward: nothing to flatten or shard."""
+    lazy = [name or "<root>" for name, m in root.named_modules()
+            if any(is_lazy(t) for t in (*m._parameters.values(), *m._buffers.values()) if t is not None)]
+    if lazy:
+        raise ValueError(
+            f"lightning_shard: {lazy[:4]} are lazy modules not initialised yet (`nn.LazyLinear` and the like get their"
+            " shapes at their first forward), so their parameters have no shape to shard. Run one forward on a"
+            " sample batch before sharding (with Lightning: in the LightningModule's `setup()`), or give the layers"
+            " their input sizes (`nn.Linear(in_features, out_features)`).")
+
+
+def _refuse_pruned(root: nn.Module) -> None:
+    """torch.nn.utils.prune keeps ``weight_orig``, a full-size ``weight_mask`` buffer, and a forward pre-hook that
+    computes ``weight`` from them: sharded, ``weight_orig`` would be a 1-D shard the hook multiplies by the mask."""
+    pruned = [_fqn(name, hook._tensor_name) for name, m in root.named_modules()
+              for hook in m._forward_pre_hooks.values() if isinstance(hook, prune.BasePruningMethod)]
+    if pruned:
+        raise ValueError(
+            f"lightning_shard: {pruned[:4]} carry torch.nn.utils.prune reparametrizations (`*_orig` times a `*_mask`"
+            " buffer, recomputed before each forward), which sharding would apply to 1-D shards. Make them permanent"
+            " before sharding (`torch.nn.utils.prune.remove(module, name)`: the pruned weights become ordinary"
+            " weights, whose zeros training may change), or prune the consolidated model after training.")
 
 
 def _refuse_sparse_gradients(root: nn.Module) -> None:

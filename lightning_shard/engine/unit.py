@@ -31,6 +31,9 @@ class Unit:
         self.call_began = -1  # autograd's sequence number when its last forward call began (after its input hooks)
         self.parameters_watched = False  # its gathered parameters' gradients say that a backward began (hooks.py)
         self.checkpointed = False  # a module reading its parameters is recomputed in backward
+        # this step, code outside the unit computed with its gathered parameters (read them: kept gathered to the end
+        # of backward), or got a copy of one it returned; either way reduced at the end of backward (outside.py)
+        self.read_outside = self.returned_parameters = False
 
     def forget_calls(self) -> None:
         """A new step (or a failed backward): no forward call waits for its backward."""

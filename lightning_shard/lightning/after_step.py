@@ -1,5 +1,6 @@
 """What the strategy does once an optimizer step has run: the step's gradients freed at once, where Lightning would
-free them only after the next forward, and the step's communication figures logged.
+free them only after the next forward, the step's communication figures logged, and a warning, once, where the norms
+of Lightning's ``grad_norm`` (of the shards) were logged.
 
 Lightning's automatic optimization calls ``zero_grad`` between a step's forward and its backward
 (``training_step``, ``zero_grad``, ``backward``), so the last step's gradient shards stay alive through the whole next
@@ -16,10 +17,12 @@ runs: the same on every rank.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Optional
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
 
 _KEEPING_HOOKS = ("on_before_zero_grad", "optimizer_zero_grad")
@@ -40,6 +43,8 @@ def after_step(strategy: Any, optimizer: Optimizer) -> None:
     if strategy.frees_grads_after_step:
         optimizer.zero_grad()  # as LightningModule.optimizer_zero_grad calls it (set_to_none: the optimizer's default)
     trainer: Optional[pl.Trainer] = getattr(strategy.lightning_module, "_trainer", None)
+    if trainer is not None:
+        warn_if_shard_norms_logged(strategy, trainer)
     if trainer is None or not trainer.loggers or not strategy.is_global_zero or not _logs_this_step(trainer):
         return
     # on a GPU, reading the exposed time waits for the step's last hand-over: once per logged step, as Lightning's
@@ -52,3 +57,24 @@ def after_step(strategy: Any, optimizer: Optimizer) -> None:
 def _logs_this_step(trainer: "pl.Trainer") -> bool:
     connector = getattr(trainer, "_logger_connector", None)
     return bool(getattr(connector, "should_update_logs", True))
+
+
+# how Lightning's ``grad_norm(module, norm_type)`` names its values: ``grad_2.0_norm/<name>``, ``grad_2.0_norm_total``
+_GRAD_NORM_KEY = re.compile(r"(^|/)grad_(\d+(\.\d+)?|inf)_norm")
+
+
+def warn_if_shard_norms_logged(strategy: Any, trainer: "pl.Trainer") -> None:
+    """Lightning's ``grad_norm(self, 2)`` reads ``p.grad`` of the parameters it finds, this rank's 1-D shards: its
+    values are each rank's part of the norms, not the norms. Nothing in it can be corrected from here, so what it logs
+    is told once (rank 0's values are the ones logged): values named as it names them, logged where the strategy's
+    own ``grad_norm`` (the same names, the unsharded model's numbers) was never called."""
+    if strategy.runtime is None or strategy.runtime.grad_norms_read or getattr(strategy, "_told_shard_norms", False):
+        return
+    logged = [key for key in trainer.callback_metrics if _GRAD_NORM_KEY.search(key)]
+    if logged:
+        strategy._told_shard_norms = True
+        rank_zero_warn(
+            f"lightning_shard: the logged {logged[0]!r} (and {len(logged) - 1} more) look like Lightning's"
+            " `grad_norm(module, norm_type)`, which under ShardStrategy reads each rank's 1-D shard of every gradient:"
+            " its values are rank 0's part of each norm, not the norm. Log `self.trainer.strategy.grad_norm(norm_type)`"
+            " instead (the same names, the unsharded model's norms; every rank must call it: one all-reduce).")

@@ -18,12 +18,13 @@ class EvaluationHold:
     _eval_hold: Optional[ExitStack] = None
 
     @contextmanager
-    def keep_gathered(self) -> Generator[None, None, None]:
+    def keep_gathered(self, modifier_rank: Optional[int] = None) -> Generator[None, None, None]:
         """Every unit held gathered inside (every rank must enter): forwards without gradients run no collective,
         so evaluation or generation needs one all-gather per unit in all, and ranks may generate different numbers
-        of tokens. Costs ``strategy.runtime.held_bytes()`` per rank while it lasts."""
+        of tokens. Costs ``strategy.runtime.held_bytes()`` per rank while it lasts. Writes to the parameters inside
+        are written back from ``modifier_rank`` on exit, and refused without it (engine/held.py)."""
         assert self.runtime is not None, "keep_gathered before the model is sharded"
-        with self.runtime.keep_gathered():
+        with self.runtime.keep_gathered(modifier_rank):
             yield
 
     def _hold_for_eval(self) -> None:
@@ -32,10 +33,14 @@ class EvaluationHold:
             hold.enter_context(self.runtime.keep_gathered())
             self._eval_hold = hold
 
-    def _release_eval(self) -> None:
+    def _release_eval(self, exception: Optional[BaseException] = None) -> None:
         hold, self._eval_hold = self._eval_hold, None
-        if hold is not None:
-            hold.close()  # frees the gathered buffers: no collective, safe after an exception too
+        if hold is None:
+            return
+        if exception is None:  # every rank ends the loop: the check for writes (one tiny all-reduce) runs
+            hold.close()
+        else:  # maybe on this rank only: frees the gathered buffers, no collective
+            hold.__exit__(type(exception), exception, exception.__traceback__)
 
     def on_validation_start(self) -> None:
         super().on_validation_start()
@@ -62,5 +67,5 @@ class EvaluationHold:
         super().on_predict_end()
 
     def on_exception(self, exception: BaseException) -> None:
-        self._release_eval()
+        self._release_eval(exception)
         super().on_exception(exception)

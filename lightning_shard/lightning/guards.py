@@ -1,5 +1,5 @@
-"""Refusals for a model that is already sharded: another strategy's Trainer, a layer conversion after sharding, or a
-callback that keeps a copy of the model's parameters."""
+"""Refusals for a model that is already sharded: another strategy's Trainer, a layer conversion after sharding, a
+callback that keeps a copy of the model's parameters, or one that prunes them."""
 
 from __future__ import annotations
 
@@ -54,3 +54,20 @@ def refuse_weight_averaging(callbacks: list) -> None:
             " and lightning_shard.ShardedWeightAveraging for WeightAveraging or StochasticWeightAveraging (the equal"
             " average by default, or your avg_fn / multi_avg_fn): Lightning's options and checkpoint layout, the"
             " average sharded like the model.")
+
+
+def refuse_pruning(callbacks: list) -> None:
+    """Lightning's ``ModelPruning`` prunes with torch.nn.utils.prune on the parameters it finds, which under
+    ShardStrategy are 1-D shards: each rank would compute its own threshold from its shard (a global one from all its
+    shards), and the reparametrization it leaves is not what a gather reads. Refused at setup, naming it; its pruning
+    functions are refused at the moment they run, wherever they are called from (engine/outside.py)."""
+    from lightning.pytorch.callbacks import ModelPruning
+
+    pruning = [type(c).__name__ for c in callbacks if isinstance(c, ModelPruning)]
+    if pruning:
+        raise ValueError(
+            f"lightning_shard: {pruning} prune with torch.nn.utils.prune, computing masks and thresholds from each"
+            " parameter it is given, which under ShardStrategy is this rank's 1-D shard of it: the pruning would differ"
+            " per rank and be lost at the next gather. Prune the consolidated model after training"
+            " (`python -m lightning_shard.consolidate`, then ModelPruning's pruning function on the plain model), or"
+            " train with strategy='ddp' to prune during training.")

@@ -41,6 +41,7 @@ from lightning_shard.lightning.finetuning import record_merged_groups
 from lightning_shard.lightning.guards import (
     refuse_layer_sync_on_sharded,
     refuse_other_strategies,
+    refuse_pruning,
     refuse_weight_averaging,
 )
 from lightning_shard.lightning.memory_report import report_memory_estimate
@@ -295,6 +296,7 @@ class ShardStrategy(ProcessGroupMixin, EvaluationHold, CheckpointState, Parallel
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
             refuse_weight_averaging(trainer.callbacks)
+            refuse_pruning(trainer.callbacks)
             summarize_in_full_shapes(trainer.callbacks)
             self.frees_grads_after_step = frees_grads_after_step(trainer, self.free_grads_after_step)
             self.offload_overlap_clip = overlap_clip(trainer, self.precision_plugin.precision,
