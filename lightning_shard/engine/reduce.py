@@ -111,7 +111,13 @@ class GradientReducer:
         """Start reducing the unit's gradients (a unit's post-backward; ``sweep``: the end of backward, for
         units not reduced yet). A unit called twice whose post-backward fires twice reduces twice."""
         storage = unit.storage
-        if not self.sync_grads or not storage.trainable or (sweep and id(unit) in self._done):
+        if not storage.trainable or (sweep and id(unit) in self._done):
+            return
+        if not self.sync_grads:  # no_sync: summed where they are, in the reduction's dtype (unsharded_grads.py)
+            dtype = self.reduce_dtype or storage.master_dtype
+            if dtype != storage.param_dtype:
+                self._done.add(id(unit))
+                storage.unsharded.hold(dtype)
             return
         self.check_trainable()
         self._done.add(id(unit))
@@ -129,7 +135,7 @@ class GradientReducer:
         streams.handover("compute", "reduce")
         with streams.on("reduce"):  # its temporaries are allocated, and freed, in the reduce stream's order
             streams.reads(("grads", serial))
-            flat, used, grads = storage.take_unsharded_grads(self.reduce_dtype or storage.master_dtype)
+            flat, used, grads = storage.unsharded.take(self.reduce_dtype or storage.master_dtype)
             if self.world_size > 1:
                 flat.div_(self.world_size)  # average like DDP: divide first, then sum
             self.schedule.note("reduce", unit)

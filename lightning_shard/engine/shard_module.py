@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Sequence
 from typing import Optional
 
@@ -157,7 +158,25 @@ def shard_module(
     runtime.install_guards()
     runtime.options = options
     module._shard_runtime = runtime
+    _RUNTIMES.add(runtime)
     return runtime
+
+
+_RUNTIMES: "weakref.WeakSet[ShardRuntime]" = weakref.WeakSet()  # every live runtime, for sharded_root_of
+
+
+def sharded_root_of(module: nn.Module) -> tuple[Optional[ShardRuntime], str]:
+    """The runtime of the sharded model ``module`` is (or lies in), and ``module``'s prefix there (``"model."`` for a
+    LightningModule's ``self.model``; ``""`` for the root); ``(None, "")`` for a module outside any sharded model."""
+    runtime = getattr(module, "_shard_runtime", None)
+    if runtime is not None:
+        return runtime, ""
+    for runtime in list(_RUNTIMES):
+        if runtime.hooks_installed:
+            for name, sub in runtime.root.named_modules():
+                if sub is module:
+                    return runtime, f"{name}."
+    return None, ""
 
 
 def _spec_names(spec: object) -> object:
