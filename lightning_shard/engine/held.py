@@ -51,7 +51,7 @@ class HeldUnits:
             self.sync_buffers()
             self._buffers_stale = False
         for unit in self.units:
-            self.schedule.gather(unit)
+            self.schedule.gather(unit, exposed=True)
         self._held = True
         try:
             yield

@@ -46,6 +46,7 @@ from lightning_shard.engine.held import HeldUnits
 from lightning_shard.engine.optimizer_attach import OptimizerAttachment, RuntimeOptimizers
 from lightning_shard.engine.norms import RuntimeNorms
 from lightning_shard.engine.reduce import GradientReducer
+from lightning_shard.engine.step_watch import StepWatch
 from lightning_shard.engine.streams import streams_for
 from lightning_shard.engine.unit import Unit
 
@@ -108,6 +109,7 @@ class ShardRuntime(HeldUnits, ModelEntries, RuntimeOptimizers, RuntimeNorms, Mod
         for unit in units:  # one rank, computing in the shard itself: nothing to free or reduce before backward ends
             unit.watches_backward_end = not (self.world_size == 1 and unit.storage.aliases_shard)
         self._install_hooks()
+        self._handles.append(StepWatch(self).handle)  # before every optimizer step over these parameters
 
     @property
     def trace(self) -> Optional[list[tuple[str, str]]]:
@@ -174,7 +176,7 @@ class ShardRuntime(HeldUnits, ModelEntries, RuntimeOptimizers, RuntimeNorms, Mod
             if torch.is_grad_enabled():
                 self._training_forward_since_step = True
             if self.root_unit is not None:
-                self.schedule.gather(self.root_unit)
+                self.schedule.gather(self.root_unit, exposed=True)
             self.schedule.start_forward()
             self.elision.start_forward()
         self._depth += 1
@@ -295,7 +297,7 @@ class ShardRuntime(HeldUnits, ModelEntries, RuntimeOptimizers, RuntimeNorms, Mod
     def _pre_forward(self, unit: Unit, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
         self._follow_requires_grad(unit)
         if not self._held:
-            self.schedule.gather(unit)
+            self.schedule.gather(unit, exposed=not self._final_callback_queued)
             if not self._final_callback_queued:  # not a recomputation inside backward
                 self.schedule.forward_reached(unit)
         cast = needs_cast(unit)
@@ -367,8 +369,6 @@ class ShardRuntime(HeldUnits, ModelEntries, RuntimeOptimizers, RuntimeNorms, Mod
         self._backward_graph_kept |= torch.is_grad_enabled()  # create_graph=True: keep what its graph reads
         try:
             self.reducer.finish()
-            if self.nonfinite is not None:
-                self._apply_nonfinite_policy()
         finally:  # after an error too
             for unit in self.units:
                 unit.await_calls_again()
@@ -394,4 +394,5 @@ class ShardRuntime(HeldUnits, ModelEntries, RuntimeOptimizers, RuntimeNorms, Mod
             unit.forget_calls()
             for param in unit.storage.gathered_params:
                 param.grad = None
+            unit.storage.unsharded.drop()
             self.schedule.reshard(unit)
