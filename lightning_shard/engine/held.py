@@ -1,6 +1,7 @@
 """What the runtime holds alike on every rank between steps: the buffers, made rank 0's (DDP's
-``broadcast_buffers``); and, for evaluation and generation, every unit gathered: one all-gather per unit for a whole
-loop and no collective inside it, so ranks may run different numbers of forwards (generate to different lengths)."""
+``broadcast_buffers``); the shards, holding what was given to their parameters; and, for evaluation and generation,
+every unit gathered: one all-gather per unit for a whole loop and no collective inside it, so ranks may run different
+numbers of forwards (generate to different lengths)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,12 @@ class HeldUnits:
     """Mixed into ShardRuntime (``units``, ``schedule``, ``root_unit``, the step state it reads)."""
 
     units: list[Unit]
+
+    def adopt_rebound_shards(self) -> None:
+        """Shard parameters given other tensors between steps (``p.data = ...``: a momentum teacher's update) hold
+        their values in the shards again: before anything reads the shards (a gather does it itself; a checkpoint)."""
+        for unit in self.units:
+            unit.storage.adopt_rebound_shards()
 
     @torch.no_grad()
     def sync_buffers(self) -> None:

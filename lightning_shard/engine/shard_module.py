@@ -27,6 +27,7 @@ from lightning_shard.engine.flat_shard import FlatShard, ParamSlot
 from lightning_shard.engine.groups import build_groups, validate_shard_size, validate_sharding
 from lightning_shard.engine.hooks import ShardRuntime
 from lightning_shard.engine.materialize import Materializer
+from lightning_shard.engine.mirrors import misaligned_mirrors
 from lightning_shard.engine.offload import HostShard, validate_offload
 from lightning_shard.engine.plan import (
     UnitPlan,
@@ -141,6 +142,9 @@ def shard_module(
         if is_root:
             root_unit = unit
     materializer.leftover_buffers()
+    mirrors = misaligned_mirrors(module, built) if groups.shard_size > 1 and rank == 0 else None
+    if mirrors:
+        warnings.warn(mirrors, stacklevel=2)
     if buffer_dtype is not None:
         for submodule in module.modules():
             for name, buffer in submodule._buffers.items():
