@@ -7,6 +7,7 @@ from typing import Any, Callable
 
 import torch
 from torch import Tensor
+
 from lightning_shard.engine.trees import flatten, leaves
 from lightning_shard.engine.unit import Unit
 

@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import torch
 from torch import Tensor
+
 from lightning_shard.engine.reduce import GradientReducer
 from lightning_shard.engine.trees import leaves
 from lightning_shard.engine.unit import Unit

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor, nn
@@ -174,7 +174,7 @@ class FlatShard:
         master dtype it is a copy (the same values where nothing wrote); in a lower one only the elements that differ
         from the shard's cast are taken, in that dtype (the masters elsewhere keep their precision)."""
         self._adopt_rebound(self.gathered_params, self.gathered.untyped_storage(),
-                            [self.gathered_data[s.offset : s.offset + s.numel].view(s.shape) for s in self.slots])
+                            lambda s: self.gathered_data[s.offset : s.offset + s.numel].view(s.shape))
         if self.aliases_shard:  # the gathered buffer is the shard
             return
         local = self.gathered_data[self.shard_start : self.shard_start + self.shard_numel]
@@ -188,18 +188,23 @@ class FlatShard:
         """Shard parameters given other tensors (``p.data = t``: MoCo and BYOL update a momentum teacher so) hold their
         new values in the shard, which a gather reads, and view it again; whether any had one. The same answer on
         every rank where every rank ran the same code (an empty piece given an empty tensor counts too)."""
-        storage = self.shard.untyped_storage()
-        if all(p.untyped_storage().data_ptr() == storage.data_ptr() for p in self.shard_params):  # the usual case
+        if not self._adopt_rebound(self.shard_params, self.shard.untyped_storage(),
+                                   lambda s: self.shard[slice(*self.shard_range(s))]):
             return False
-        self._adopt_rebound(self.shard_params, storage, [self.shard[lo:hi] for lo, hi in self.shard_ranges])
         self.shards_changed()
         return True
 
     @torch.no_grad()
-    def _adopt_rebound(self, params: list[nn.Parameter], storage: torch.UntypedStorage, views: list[Tensor]) -> None:
-        for slot, param, view in zip(self.slots, params, views):
-            if param.untyped_storage().data_ptr() == storage.data_ptr():
+    def _adopt_rebound(self, params: list[nn.Parameter], storage: torch.UntypedStorage,
+                       view_of: Callable[[ParamSlot], Tensor]) -> bool:
+        """``params`` (each slot's, in order) no longer in ``storage`` copied into their view there, and viewing it."""
+        home = storage.data_ptr()
+        if all(p.untyped_storage().data_ptr() == home for p in params):  # the usual case: one pass, no view made
+            return False
+        for slot, param in zip(self.slots, params):
+            if param.untyped_storage().data_ptr() == home:
                 continue
+            view = view_of(slot)
             if param.shape != view.shape:
                 raise RuntimeError(
                     f"lightning_shard: {slot.names[0]!r} was given a tensor of shape {tuple(param.shape)} (`.data ="
@@ -207,6 +212,7 @@ class FlatShard:
                     " `p.copy_(...)` under torch.no_grad() or `load_pretrained`, or before the model is sharded.")
             view.copy_(param.data)
             param.data = view
+        return True
 
     def shards_changed(self) -> None:
         """The shards were written (an optimizer step, a load): copies of them elsewhere are stale."""

@@ -55,7 +55,8 @@ class GatherSchedule:
         if unit.is_gathered or unit.inflight is not None:
             return
         storage, streams = unit.storage, self.streams
-        storage.adopt_rebound_shards()  # (on compute: what a momentum teacher's `p.data = ...` gave them)
+        if storage.adopt_rebound_shards():  # (on compute: what a momentum teacher's `p.data = ...` gave them)
+            streams.writes(("shard", unit.name))
         unit.launched_version = storage.shard._version
         if storage.aliases_shard:
             return
@@ -120,6 +121,7 @@ class GatherSchedule:
             self._land(unit)
             storage = unit.storage
             if storage.adopt_rebound_shards() or storage.shard._version != unit.launched_version:
+                self.streams.writes(("shard", unit.name))
                 # its shards were written since the all-gather was issued (a prefetch: a momentum teacher updated in
                 # forward before its use): gathered again, on every rank alike (the same code bumped every rank's
                 # version counter, or gave every rank's shard parameters tensors)
@@ -161,7 +163,8 @@ class GatherSchedule:
             return
         self.streams.reads(("gathered", unit.name))
         self.streams.writes(("shard", unit.name))
-        storage.write_back()
+        with torch._C.DisableTorchFunction():  # the engine's own reads, unseen by elision's watch of the forward's ops
+            storage.write_back()
 
     def refresh(self, units: list[Unit]) -> None:
         """Re-gather the units held gathered, after their shards changed (optimizer step, loading): what was written
@@ -170,6 +173,8 @@ class GatherSchedule:
             if unit.is_gathered and not unit.storage.aliases_shard:
                 unit.is_gathered, unit.writable = False, False
                 self.gather(unit, exposed=True)
+            elif unit.is_gathered and not unit.storage.offloaded:  # its shard: only `p.data = ...` to adopt
+                unit.writable, unit.gathered_version = True, unit.storage.shard._version
 
     def unit_of_storage(self, data_ptr: int) -> Optional[Unit]:
         """The unit whose gathered buffer lives at ``data_ptr``, if any."""
