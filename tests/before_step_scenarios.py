@@ -149,3 +149,30 @@ def clipping_with_a_dropped_gradient(rank: int, world: int, sharding: str) -> di
     names, _, total = runtime.grad_norms(2.0)
     norm = runtime.clip_grad_norm_(list(model.parameters()), 1e-3)
     return {"names": names, "total": float(total), "clipped_total": float(norm), "expected": float(left.sqrt())}
+
+
+def skip_in_a_closure(rank: int, world: int) -> dict:
+    """A raw ``optimizer.step(closure)`` (not the engine's step): torch calls the closure after the step's hooks, so
+    the policy runs once the closure returns. Step 0's loss is infinite on the last rank only."""
+    torch.manual_seed(0)
+    reference = Mlp()
+    model = copy.deepcopy(reference)
+    runtime = shard_module(model, units=["Sequential"], nonfinite="skip")
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference))
+    for step, (x,) in enumerate(_batches(world, 3, 1)):
+        def closure():
+            opt.zero_grad()
+            loss = model(x.chunk(world)[rank]).pow(2).mean()
+            (loss * float("inf") if step == 0 and rank == world - 1 else loss).backward()
+            return loss
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            opt.step(closure)
+        runtime.after_optimizer_step()
+        if step:
+            reference(x).pow(2).mean().backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+    assert_matches(runtime, reference, "closure")
+    return {"skipped": runtime.skipped_steps}

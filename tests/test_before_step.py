@@ -22,6 +22,10 @@ def test_an_infinite_micro_batch_skips_its_whole_step_like_one_process():
     assert run_world(scenarios.skip_with_accumulation, 1, cases[:2], timeout=200) == [dict.fromkeys(cases[:2], 1)]
 
 
+def test_a_raw_step_with_a_closure_is_checked_after_its_closure():
+    assert run_world(scenarios.skip_in_a_closure, 2, timeout=120) == [{"skipped": 1}] * 2
+
+
 @pytest.mark.parametrize("policy", [None, "skip"])
 def test_a_gradient_scaler_backs_off_under_the_nonfinite_policy_like_one_process(policy):
     """fp16 with nonfinite="skip": the policy cleared the infinite gradients before the scaler's unscale_ saw them, so

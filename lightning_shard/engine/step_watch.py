@@ -83,7 +83,8 @@ def _refuse_plain_grad_scaler(optimizer: Optimizer, depth: int = 8) -> None:
             return
         if frame.f_code in _SCALER_STEPS:
             scaler = frame.f_locals.get("self")
-            if isinstance(scaler, torch.amp.GradScaler) and not isinstance(scaler, ShardedGradScaler):
+            if (isinstance(scaler, torch.amp.GradScaler) and not isinstance(scaler, ShardedGradScaler)
+                    and scaler.is_enabled()):
                 raise RuntimeError(
                     f"lightning_shard: a {type(scaler).__module__}.{type(scaler).__name__} steps"
                     f" {type(optimizer).__name__} over sharded gradients: it checks only this rank's gradient shard"
