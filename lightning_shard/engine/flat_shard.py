@@ -90,6 +90,10 @@ class FlatShard:
         self._grad_split.append(self.shard_numel - sum(self._grad_split))
         self._padding = self.padded_numel - sum(s.numel for s in slots)
         self.shard_params = [self._make_shard_param(s) for s in slots]
+        # where each parameter lies, to see one given another tensor (``p.data = ...``): the shard's never moves; in the
+        # gathered buffer, the byte offset (-1: none, an empty parameter)
+        self._shard_ptrs = [p.data_ptr() for p in self.shard_params]
+        self._gathered_at = [s.offset * self.gathered.element_size() if s.numel else -1 for s in slots]
         # each under its own version counter too (``.data``), as separate parameters are: an in-place write to one (the
         # ``set_`` of torch's parametrize, which peft's LoRA on a parameter registers at every forward) leaves the
         # others, which autograd may have saved, valid
@@ -166,15 +170,17 @@ class FlatShard:
         """One rank: the gathered buffer is this rank's shard in the compute dtype (``buffer``: :attr:`gathered_data`)."""
         buffer.copy_(self.shard)
 
-    @torch.no_grad()
     def write_back(self) -> None:
         """This rank's part of the gathered buffer into its shard, where something wrote it since the gather (a weight
         constraint, ``p.data.clamp_()``, or ``p.data = ...``, on the parameters the module holds): every rank's copy
         is the whole parameter, each keeps its own part, so the write is kept as it is under DDP. Computing in the
         master dtype it is a copy (the same values where nothing wrote); in a lower one only the elements that differ
-        from the shard's cast are taken, in that dtype (the masters elsewhere keep their precision)."""
-        self._adopt_rebound(self.gathered_params, self.gathered.untyped_storage(),
-                            lambda s: self.gathered_data[s.offset : s.offset + s.numel].view(s.shape))
+        from the shard's cast are taken, in that dtype (the masters elsewhere keep their precision). (No autograd:
+        the shard and the gathered buffer's ``.data`` record none, and ``no_grad`` costs more than the rest.)"""
+        base = self.gathered_data.data_ptr()
+        if [p.data_ptr() for p in self.gathered_params] != [base + at if at >= 0 else 0 for at in self._gathered_at]:
+            self._adopt_rebound(self.gathered_params, self.gathered.untyped_storage(),
+                                lambda s: self.gathered_data[s.offset : s.offset + s.numel].view(s.shape))
         if self.aliases_shard:  # the gathered buffer is the shard
             return
         local = self.gathered_data[self.shard_start : self.shard_start + self.shard_numel]
@@ -184,23 +190,26 @@ class FlatShard:
         written = local != self.shard.to(self.param_dtype)
         torch.where(written, local.to(self.master_dtype), self.shard, out=self.shard)
 
-    def adopt_rebound_shards(self) -> bool:
+    def adopt_rebound_shards(self, alike_on_every_rank: bool = False) -> bool:
         """Shard parameters given other tensors (``p.data = t``: MoCo and BYOL update a momentum teacher so) hold their
-        new values in the shard, which a gather reads, and view it again; whether any had one. The same answer on
-        every rank where every rank ran the same code (an empty piece given an empty tensor counts too)."""
-        if not self._adopt_rebound(self.shard_params, self.shard.untyped_storage(),
-                                   lambda s: self.shard[slice(*self.shard_range(s))]):
+        new values in the shard, which a gather reads, and view it again; whether any had one. ``alike_on_every_rank``:
+        also an empty piece given an empty tensor counts (its address is none), so that every rank that ran the same
+        code gives the same answer (slower: each parameter's storage is asked)."""
+        storage = self.shard.untyped_storage()
+        if alike_on_every_rank:
+            home = storage.data_ptr()
+            if all(p.untyped_storage().data_ptr() == home for p in self.shard_params):
+                return False
+        elif [p.data_ptr() for p in self.shard_params] == self._shard_ptrs:  # the usual case, at every gather
             return False
+        self._adopt_rebound(self.shard_params, storage, lambda s: self.shard[slice(*self.shard_range(s))])
         self.shards_changed()
         return True
 
-    @torch.no_grad()
     def _adopt_rebound(self, params: list[nn.Parameter], storage: torch.UntypedStorage,
-                       view_of: Callable[[ParamSlot], Tensor]) -> bool:
+                       view_of: Callable[[ParamSlot], Tensor]) -> None:
         """``params`` (each slot's, in order) no longer in ``storage`` copied into their view there, and viewing it."""
         home = storage.data_ptr()
-        if all(p.untyped_storage().data_ptr() == home for p in params):  # the usual case: one pass, no view made
-            return False
         for slot, param in zip(self.slots, params):
             if param.untyped_storage().data_ptr() == home:
                 continue
@@ -212,7 +221,6 @@ class FlatShard:
                     " `p.copy_(...)` under torch.no_grad() or `load_pretrained`, or before the model is sharded.")
             view.copy_(param.data)
             param.data = view
-        return True
 
     def shards_changed(self) -> None:
         """The shards were written (an optimizer step, a load): copies of them elsewhere are stale."""

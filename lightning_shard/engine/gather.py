@@ -120,7 +120,8 @@ class GatherSchedule:
         if unit.inflight is not None:
             self._land(unit)
             storage = unit.storage
-            if storage.adopt_rebound_shards() or storage.shard._version != unit.launched_version:
+            written = storage.adopt_rebound_shards(alike_on_every_rank=True)
+            if written or storage.shard._version != unit.launched_version:
                 self.streams.writes(("shard", unit.name))
                 # its shards were written since the all-gather was issued (a prefetch: a momentum teacher updated in
                 # forward before its use): gathered again, on every rank alike (the same code bumped every rank's
