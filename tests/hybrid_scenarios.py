@@ -114,10 +114,10 @@ def nonfinite_skipped_everywhere(rank: int, world: int, policy: dict) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     before = full_state_dict(runtime, rank0_only=False)
     loss = models.TinyGPT.loss(model, models.TinyGPT.batch(torch.Generator().manual_seed(rank), 4), 0)
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught:  # (said before the optimizer step, which it skips)
         warnings.simplefilter("always")
         (loss * float("inf") if rank == world - 1 else loss).backward()
-    opt.step()
+        opt.step()
     after = full_state_dict(runtime, rank0_only=False)
     return {"skipped": runtime.skipped_steps, "warned": any("skipped" in str(w.message) for w in caught),
             "unchanged": all(torch.equal(before[k], after[k]) for k in before)}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lightning_shard.checkpoint.full import full_state_dict
 from lightning_shard.engine.shard_module import shard_module
 from lightning_shard.lightning.precision import ShardedGradScaler
 from tests import models
@@ -219,3 +220,46 @@ def batch_norm_under_bf16_autocast(rank: int, world: int, policy: dict, steps: i
         if not (checkpointed and ("running" in name or "num_batches" in name)):
             torch.testing.assert_close(full[name], value, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
     return True
+
+
+def bf16_no_sync_accumulation(rank: int, world: int, shardings: list[str], micro: int = 4, steps: int = 3) -> list:
+    """bf16 compute, fp32 masters and reduction, ``micro`` micro-batches per step of which all but the last under
+    ``no_sync()``. DDP under bf16-mixed (and FSDP2) sums the micro-batches' bf16 gradients in fp32: the reference, one
+    process, sums each rank's and micro-batch's bf16 gradient in fp32 and averages over ranks; Adam on the fp32
+    masters. Returns the largest difference relative to each parameter's scale."""
+    import copy
+
+    worst = []
+    for sharding in shardings:
+        torch.manual_seed(0)
+        reference = nn.Sequential(nn.Sequential(nn.Linear(16, 32), nn.Tanh()), nn.Sequential(nn.Linear(32, 32),
+                                  nn.Tanh()), nn.Linear(32, 1))
+        model = copy.deepcopy(reference)
+        runtime = shard_module(model, sharding=sharding, units=["Sequential"], param_dtype=torch.bfloat16,
+                               reduce_dtype=torch.float32)
+        opt, ref_opt = (torch.optim.Adam(m.parameters(), lr=1e-2) for m in (model, reference))
+        g = torch.Generator().manual_seed(1)
+        for _ in range(steps):
+            xs = [torch.randn(2 * world, 16, generator=g) for _ in range(micro)]
+            for p in reference.parameters():
+                p.grad = torch.zeros_like(p)
+            for x in xs:
+                for r in range(world):
+                    low = copy.deepcopy(reference).bfloat16()
+                    low(x.chunk(world)[r].bfloat16()).float().pow(2).mean().backward()
+                    for p, q in zip(reference.parameters(), low.parameters()):
+                        p.grad.add_(q.grad.float() / world)
+            for i, x in enumerate(xs):
+                loss = lambda: model(x.chunk(world)[rank]).float().pow(2).mean()  # noqa: E731
+                if i < micro - 1:
+                    with runtime.no_sync():
+                        runtime.run_step(loss).backward()
+                else:
+                    runtime.run_step(loss).backward()
+            for o in (opt, ref_opt):
+                o.step()
+                o.zero_grad()
+            runtime.after_optimizer_step()
+        full = full_state_dict(runtime, rank0_only=False)
+        worst.append(max(float((full[n] - p).abs().max() / p.abs().max()) for n, p in reference.state_dict().items()))
+    return worst

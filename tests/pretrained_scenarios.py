@@ -343,3 +343,31 @@ def base_folder_into_a_task_model(rank: int, world: int, folder: str) -> dict:
     return {"loaded": loaded, "base": all(torch.equal(full[f"model.model.{k}"], v) for k, v in saved.items()),
             "head": torch.equal(full["model.lm_head.weight"], head),
             "warned": [str(w.message) for w in caught if "holds the base model" in str(w.message)]}
+
+
+def into_a_submodule(rank: int, world: int, base: str, out: str, sharding: str) -> dict:
+    """``load_pretrained(self.model, folder)`` and ``save_pretrained(self.model, folder)`` as users write them in a
+    LightningModule: the HF model inside a sharded module, which has no runtime of its own (its root's is used). The
+    largest differences from ``from_pretrained``'s weights, and from the sharded model's after a step."""
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    class Holder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = LlamaForCausalLM(llama_config())
+            self.extra = nn.Linear(4, 4)  # beside the model: neither loaded nor missing
+
+    torch.manual_seed(100 + rank)
+    holder = Holder()
+    runtime = shard_module(holder, sharding=sharding)
+    report: dict = {"loaded": load_pretrained(holder.model, base)}
+    full = full_state_dict(runtime, rank0_only=False)
+    expected = AutoModelForCausalLM.from_pretrained(base).state_dict()
+    report["load"] = max(float((full[f"model.{k}"] - v).abs().max()) for k, v in expected.items())
+    _train(holder.model, rank, world, steps=1)
+    full = full_state_dict(runtime, rank0_only=False)
+    save_pretrained(holder.model, out)
+    if rank == 0:
+        saved = LlamaForCausalLM.from_pretrained(out).state_dict()
+        report["save"] = max(float((full[f"model.{k}"] - v).abs().max()) for k, v in saved.items())
+    return report

@@ -195,6 +195,15 @@ def test_a_module_holding_two_models_checkpoints_and_loads_by_prefix(base):
     assert load_pretrained(module, base, prefix="student.") == ([], [])
 
 
+@pytest.mark.parametrize("sharding", ["full", "grad_op"])
+def test_the_model_inside_a_sharded_module_loads_and_saves_as_users_pass_it(base, tmp_path, sharding):
+    """`load_pretrained(self.model, folder)`: it loaded whole tensors into 1-D shards (torch's size mismatch for every
+    weight); `save_pretrained(self.model, folder)` wrote rank 0's 1-D shards as the weights. The root's runtime is
+    found, and the model's prefix in it."""
+    report = run_world(scenarios.into_a_submodule, 2, str(base), str(tmp_path / "out"), sharding, timeout=300)[0]
+    assert report == {"loaded": ([], []), "load": 0.0, "save": 0.0}, report
+
+
 PLAIN_EXPORT = """
 import sys
 import torch

@@ -30,6 +30,7 @@ from lightning_shard.checkpoint.full import gather_slots, registered
 from lightning_shard.checkpoint.safetensors_writer import SafetensorsWriter, parse_size
 from lightning_shard.engine import collectives
 from lightning_shard.engine.flat_shard import ParamSlot
+from lightning_shard.engine.shard_module import sharded_root_of
 
 
 def save_pretrained(module: nn.Module, folder: Union[str, Path], dtype: Optional[torch.dtype] = None,
@@ -40,6 +41,10 @@ def save_pretrained(module: nn.Module, folder: Union[str, Path], dtype: Optional
     (default: the transformers or peft model found in it, else all of ``module``). ``adapter``: a peft model's
     adapter to write (default: the active one)."""
     limit = parse_size(max_shard_size)
+    runtime, at = sharded_root_of(module)
+    if at:  # a module inside a sharded model (a LightningModule's self.model): exported from the root, under its prefix
+        inner = prefix if prefix is not None else (hf.find_pretrained(module) or ("", module))[0]
+        module, prefix = runtime.root, at + inner
     if prefix is None:
         prefix, model = hf.find_pretrained(module) or ("", module)
     else:
@@ -56,6 +61,7 @@ def save_pretrained(module: nn.Module, folder: Union[str, Path], dtype: Optional
     folder = Path(folder)
     runtime = getattr(module, "_shard_runtime", None)
     if runtime is not None:
+        runtime.adopt_rebound_shards()
         runtime.sync_buffers()  # rank 0's, as in checkpoints (every rank: a broadcast)
     writing = not dist.is_initialized() or dist.get_rank() == 0
     carried, refusal = [], None

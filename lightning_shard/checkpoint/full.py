@@ -63,6 +63,7 @@ def full_state_dict(runtime: ShardRuntime, rank0_only: bool = True, skip: Abstra
     Parameters named in ``skip`` are left out (a unit of them only is not even gathered).
     """
     keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
+    runtime.adopt_rebound_shards()
     runtime.sync_buffers()  # every rank's copy is rank 0's, as under DDP
     full: list[tuple[ParamSlot, Tensor]] = []
     for unit in runtime.units:

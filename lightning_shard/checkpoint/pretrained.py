@@ -16,6 +16,7 @@ from lightning_shard.checkpoint import conversion, hf
 from lightning_shard.checkpoint.files import CheckpointError
 from lightning_shard.checkpoint.sources import ADAPTER_CONFIG, RenamedSource, open_weights
 from lightning_shard.checkpoint.weights import load_into
+from lightning_shard.engine.shard_module import sharded_root_of
 
 
 def load_pretrained(module: nn.Module, path: Union[str, Path], strict: bool = True, prefix: Optional[str] = None,
@@ -70,9 +71,11 @@ def load_pretrained(module: nn.Module, path: Union[str, Path], strict: bool = Tr
             _check_adapter_config(_at(module, prefix), path, adapter)
         source = RenamedSource(views[prefix], renamed)
         _check_ties(module, source)
-        runtime = getattr(module, "_shard_runtime", None)
+        runtime, at = sharded_root_of(module)  # a sharded model, or a module in one (a LightningModule's self.model)
         if runtime is not None:
-            missing, unexpected = load_into(runtime, source, strict=strict, not_expected=not_expected)
+            missing, unexpected = load_into(runtime, source, strict=strict, prefix=at,
+                                            not_expected=lambda name: not_expected(name[len(at):]))
+            missing = [name[len(at):] for name in missing]  # (load_into's are the root's names, under `at`)
         else:
             missing, unexpected = _load_unsharded(module, source, strict, not_expected)
     rank0 = not dist.is_initialized() or dist.get_rank() == 0

@@ -76,6 +76,7 @@ def model_state(runtime: ShardRuntime, skip: AbstractSet[str] = frozenset(),
     """This rank's part of the model state by parameter and buffer name, as DCP items (views, no copies); the
     parameters named in ``skip`` left out. ``average``: the state of that average of the model's weights instead."""
     items: dict[str, Any] = {}
+    runtime.adopt_rebound_shards()
     with _quiet():
         for i, unit in enumerate(runtime.units):
             storage = unit.storage

@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 import torch
 import torch.utils.checkpoint
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_shard.engine.plan import UnitSpec, class_matches, validate_units
+from lightning_shard.engine.trees import flatten
 
 if TYPE_CHECKING:
     from lightning_shard.engine.unit import Unit
@@ -118,14 +118,14 @@ def wrap_forward(module: nn.Module, before_run: Optional[Callable[[], Any]] = No
         # Each tensor goes in once. Under saved-tensor hooks (ours, for backward elision) the recomputation
         # gets a fresh object per input, so `attn(h, h, h)` would no longer see `query is key` and would
         # take another path than in forward.
-        flat, spec = tree_flatten((args, kwargs))
+        flat, rebuild = flatten((args, kwargs))
         tensors = list({id(x): x for x in flat if isinstance(x, Tensor)}.values())
 
         def run(*inputs: Tensor) -> Any:
             if before_run is not None:
                 before_run()
             given = dict(zip(map(id, tensors), inputs))
-            call_args, call_kwargs = tree_unflatten([given.get(id(x), x) for x in flat], spec)
+            call_args, call_kwargs = rebuild([given.get(id(x), x) for x in flat])
             return forward(*call_args, **call_kwargs)
 
         return torch.utils.checkpoint.checkpoint(run, *tensors, use_reentrant=False)

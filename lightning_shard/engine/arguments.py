@@ -7,8 +7,8 @@ from typing import Any, Callable
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from lightning_shard.engine.trees import flatten, leaves
 from lightning_shard.engine.unit import Unit
 
 
@@ -54,8 +54,7 @@ def flatten_arguments(args: tuple, kwargs: dict) -> tuple[list, Callable[[list],
     if all(isinstance(x, _LEAVES) for x in args) and all(isinstance(x, _LEAVES) for x in kwargs.values()):
         count, keys = len(args), tuple(kwargs)
         return [*args, *kwargs.values()], lambda flat: (tuple(flat[:count]), dict(zip(keys, flat[count:])))
-    flat, spec = tree_flatten((args, kwargs))
-    return flat, lambda values: tree_unflatten(values, spec)
+    return flatten((args, kwargs))
 
 
 def _one_argument(flat: list) -> tuple[tuple, dict]:
@@ -68,5 +67,5 @@ def in_backward() -> bool:
 
 def expects_backward(output: Any) -> bool:
     return torch.is_grad_enabled() and any(
-        isinstance(x, Tensor) and x.requires_grad for x in tree_flatten(output)[0]
+        isinstance(x, Tensor) and x.requires_grad for x in leaves(output)
     )

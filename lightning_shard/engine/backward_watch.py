@@ -20,9 +20,9 @@ from typing import Any, Callable
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_flatten
 
 from lightning_shard.engine.reduce import GradientReducer
+from lightning_shard.engine.trees import leaves
 from lightning_shard.engine.unit import Unit
 
 _GRAD = attrgetter("grad")
@@ -73,7 +73,7 @@ def watch_outputs(output: Any, on_begin: Callable[[Any], None], call_began: int 
     if isinstance(output, Tensor) and output.requires_grad and not output._is_view() and output.grad_fn is not None:
         output.grad_fn.register_prehook(on_begin)  # a block's usual output (runs when its gradient is complete)
         return True
-    flat = [output] if isinstance(output, Tensor) else tree_flatten(output)[0]
+    flat = [output] if isinstance(output, Tensor) else leaves(output)
     tensors = [_outlives_writes(x, call_began) for x in flat if isinstance(x, Tensor) and x.requires_grad]
     if len(tensors) == 1 and tensors[0].grad_fn is not None:
         tensors[0].grad_fn.register_prehook(on_begin)
@@ -104,10 +104,11 @@ def refuse_unseen_gradients(units: list[Unit], reducer: GradientReducer, when: s
         raise RuntimeError(f"lightning_shard: at {when}, gradient reductions begun in a backward were never completed:"
                            " the runtime did not see that backward begin. Please report the model's habit.")
     grads = set(map(_GRAD, chain.from_iterable(unit.storage.gathered_params for unit in units)))  # in C: every step
-    if grads and grads != {None}:
-        name = next(slot.names[0] for unit in units for slot, param in zip(unit.storage.slots,
-                                                                            unit.storage.gathered_params)
-                    if param.grad is not None)
+    held = [unit for unit in units if unit.storage.unsharded.held]  # summed in the reduction's dtype inside no_sync
+    if held or (grads and grads != {None}):
+        name = held[0].storage.slots[0].names[0] if held else next(
+            slot.names[0] for unit in units for slot, param in zip(unit.storage.slots, unit.storage.gathered_params)
+            if param.grad is not None)
         raise RuntimeError(
             f"lightning_shard: at {when}, {name!r} holds a gradient that was never reduced across ranks. Either a"
             " backward reached it only through a tensor its unit kept instead of returning it (`self.aux = ...`"

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor, nn
-from torch._utils import _flatten_dense_tensors
+
+from lightning_shard.engine.unsharded_grads import UnshardedGrads
 
 from lightning_shard.engine.outside import GatheredParameters, ShardParameters
 
@@ -91,6 +92,10 @@ class FlatShard:
         self._grad_split.append(self.shard_numel - sum(self._grad_split))
         self._padding = self.padded_numel - sum(s.numel for s in slots)
         self.shard_params = [self._make_shard_param(s) for s in slots]
+        # where each parameter lies, to see one given another tensor (``p.data = ...``): the shard's never moves; in the
+        # gathered buffer, the byte offset (-1: none, an empty parameter)
+        self._shard_ptrs = [p.data_ptr() for p in self.shard_params]
+        self._gathered_at = [s.offset * self.gathered.element_size() if s.numel else -1 for s in slots]
         # each under its own version counter too (``.data``), as separate parameters are: an in-place write to one (the
         # ``set_`` of torch's parametrize, which peft's LoRA on a parameter registers at every forward) leaves the
         # others, which autograd may have saved, valid
@@ -114,6 +119,8 @@ class FlatShard:
         self.gathered_ids = frozenset(map(id, self.gathered_params))
         self.trainable = [i for i, s in enumerate(slots) if s.requires_grad]
         self.requires_grad = [s.requires_grad for s in slots]  # as last synced (see sync_requires_grad)
+        # their gradients, taken off for the reduction (held in the reduction's dtype inside no_sync)
+        self.unsharded = UnshardedGrads(self.gathered_params, [s.numel for s in slots], self._padding, self.device)
         self._both_params = self.shard_params + self.gathered_params  # compared in one pass at every use of the unit
         self._both_requires_grad = self.requires_grad * 2
         # the flat gradient shard and the shard parameters' ``.grad`` views of it, held weakly: the parameters'
@@ -169,6 +176,58 @@ class FlatShard:
         """One rank: the gathered buffer is this rank's shard in the compute dtype (``buffer``: :attr:`gathered_data`)."""
         buffer.copy_(self.shard)
 
+    def write_back(self) -> None:
+        """This rank's part of the gathered buffer into its shard, where something wrote it since the gather (a weight
+        constraint, ``p.data.clamp_()``, or ``p.data = ...``, on the parameters the module holds): every rank's copy
+        is the whole parameter, each keeps its own part, so the write is kept as it is under DDP. Computing in the
+        master dtype it is a copy (the same values where nothing wrote); in a lower one only the elements that differ
+        from the shard's cast are taken, in that dtype (the masters elsewhere keep their precision). (No autograd:
+        the shard and the gathered buffer's ``.data`` record none, and ``no_grad`` costs more than the rest.)"""
+        base = self.gathered_data.data_ptr()
+        if [p.data_ptr() for p in self.gathered_params] != [base + at if at >= 0 else 0 for at in self._gathered_at]:
+            self._adopt_rebound(self.gathered_params, self.gathered.untyped_storage(),
+                                lambda s: self.gathered_data[s.offset : s.offset + s.numel].view(s.shape))
+        if self.aliases_shard:  # the gathered buffer is the shard
+            return
+        local = self.gathered_data[self.shard_start : self.shard_start + self.shard_numel]
+        if not self.computes_lower:
+            self.shard.copy_(local)
+            return
+        written = local != self.shard.to(self.param_dtype)
+        torch.where(written, local.to(self.master_dtype), self.shard, out=self.shard)
+
+    def adopt_rebound_shards(self, alike_on_every_rank: bool = False) -> bool:
+        """Shard parameters given other tensors (``p.data = t``: MoCo and BYOL update a momentum teacher so) hold their
+        new values in the shard, which a gather reads, and view it again; whether any had one. ``alike_on_every_rank``:
+        also an empty piece given an empty tensor counts (its address is none), so that every rank that ran the same
+        code gives the same answer (slower: each parameter's storage is asked)."""
+        storage = self.shard.untyped_storage()
+        if alike_on_every_rank:
+            home = storage.data_ptr()
+            if all(p.untyped_storage().data_ptr() == home for p in self.shard_params):
+                return False
+        elif [p.data_ptr() for p in self.shard_params] == self._shard_ptrs:  # the usual case, at every gather
+            return False
+        self._adopt_rebound(self.shard_params, storage, lambda s: self.shard[slice(*self.shard_range(s))])
+        self.shards_changed()
+        return True
+
+    def _adopt_rebound(self, params: list[nn.Parameter], storage: torch.UntypedStorage,
+                       view_of: Callable[[ParamSlot], Tensor]) -> None:
+        """``params`` (each slot's, in order) no longer in ``storage`` copied into their view there, and viewing it."""
+        home = storage.data_ptr()
+        for slot, param in zip(self.slots, params):
+            if param.untyped_storage().data_ptr() == home:
+                continue
+            view = view_of(slot)
+            if param.shape != view.shape:
+                raise RuntimeError(
+                    f"lightning_shard: {slot.names[0]!r} was given a tensor of shape {tuple(param.shape)} (`.data ="
+                    f" ...`) where the sharded model holds one of shape {tuple(view.shape)}: give it values with"
+                    " `p.copy_(...)` under torch.no_grad() or `load_pretrained`, or before the model is sharded.")
+            view.copy_(param.data)
+            param.data = view
+
     def shards_changed(self) -> None:
         """The shards were written (an optimizer step, a load): copies of them elsewhere are stale."""
 
@@ -215,38 +274,13 @@ class FlatShard:
             self._both_requires_grad = self.requires_grad * 2
         return unfrozen
 
-    def take_unsharded_grads(self, dtype: torch.dtype) -> tuple[Tensor, list[int], list[Tensor]]:
-        """Flatten the gathered parameters' gradients into one padded buffer and take them off the parameters.
-
-        Also returns the slots that had a gradient: a parameter unused in this backward keeps
-        ``.grad = None`` on its shard, so optimizers skip it exactly as they would without sharding; and
-        the gradients taken, which the caller keeps alive until the stream that read them has been waited for.
-        """
-        grads = [param.grad for param in self.gathered_params]
-        for param in self.gathered_params:
-            param.grad = None
-        used = [i for i, grad in enumerate(grads) if grad is not None]
-        if len(used) == len(grads):  # the usual case (torch.cat promotes gradients of another dtype, exactly)
-            if not self._padding:  # one copy (flattened in C++), then (computing in bf16) one cast
-                return _flatten_dense_tensors(grads).to(dtype), used, grads
-            pieces = [grad.reshape(-1) for grad in grads]
-            pieces.append(torch.zeros(self._padding, dtype=grads[0].dtype, device=self.device))
-            return torch.cat(pieces).to(dtype), used, grads
-        taken = [grads[i] for i in used]
-        pieces = [grad.reshape(-1).to(dtype) if grad is not None
-                  else torch.zeros(slot.numel, dtype=dtype, device=self.device)
-                  for slot, grad in zip(self.slots, grads)]
-        if self._padding:
-            pieces.append(torch.zeros(self._padding, dtype=dtype, device=self.device))
-        return torch.cat(pieces), used, taken
-
     def hand_over_grads(self, reduce_dtype: torch.dtype) -> None:
-        """One rank and nothing to reduce: the numbers of :meth:`take_unsharded_grads` then
+        """One rank and nothing to reduce: the numbers of ``UnshardedGrads.take`` then
         :meth:`accumulate_shard_grad` (a parameter frozen since it got its gradient keeps it, as in plain torch).
         Computing in the master dtype, without their flat buffer: each gathered parameter's gradient becomes its shard
         parameter's, flattened (no copy), or is added to the one it has."""
         if not (reduce_dtype == self.param_dtype == self.master_dtype):  # a cast per unit, not one per parameter
-            flat, used, _ = self.take_unsharded_grads(reduce_dtype)
+            flat, used, _ = self.unsharded.take(reduce_dtype)
             self.accumulate_shard_grad(flat, used)
             return
         for gathered, shard in zip(self.gathered_params, self.shard_params):

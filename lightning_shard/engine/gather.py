@@ -52,9 +52,14 @@ class GatherSchedule:
     # -- one unit -----------------------------------------------------------------------------------
     def launch(self, unit: Unit) -> None:
         """Start the unit's all-gather on the gather stream without waiting for it (one rank: cast it on compute)."""
-        if unit.is_gathered or unit.inflight is not None or unit.storage.aliases_shard:
+        if unit.is_gathered or unit.inflight is not None:
             return
         storage, streams = unit.storage, self.streams
+        if storage.adopt_rebound_shards():  # (on compute: what a momentum teacher's `p.data = ...` gave them)
+            streams.writes(("shard", unit.name))
+        unit.launched_version = storage.shard._version
+        if storage.aliases_shard:
+            return
         self.note("all_gather", unit)
         if not storage.is_allocated:  # a refresh (after an optimizer step) reuses its buffer
             self.gathered_bytes += storage.gathered_nbytes
@@ -106,15 +111,28 @@ class GatherSchedule:
         unit.inflight = None
         self.streams.handover("gather", "compute")
 
-    def gather(self, unit: Unit) -> None:
+    def gather(self, unit: Unit, exposed: bool = False) -> None:
+        """``exposed``: gathered where code other than the unit's backward may write it (a forward, a step's root, an
+        evaluation loop): written back to the shard when freed, or before an optimizer step (:meth:`write_back`)."""
         if unit.is_gathered:
             return
         self.launch(unit)
         if unit.inflight is not None:
             self._land(unit)
+            storage = unit.storage
+            written = storage.adopt_rebound_shards(alike_on_every_rank=True)
+            if written or storage.shard._version != unit.launched_version:
+                self.streams.writes(("shard", unit.name))
+                # its shards were written since the all-gather was issued (a prefetch: a momentum teacher updated in
+                # forward before its use): gathered again, on every rank alike (the same code bumped every rank's
+                # version counter, or gave every rank's shard parameters tensors)
+                self.launch(unit)
+                self._land(unit)
         self.streams.reads(("gathered", unit.name))
         unit.storage.use_gathered()
         unit.is_gathered = True
+        if exposed and not unit.storage.offloaded:
+            unit.writable, unit.gathered_version = True, unit.storage.shard._version
         if self.track_storage and not unit.storage.aliases_shard:
             self._gathered_storage[unit.storage.gathered.untyped_storage().data_ptr()] = unit
 
@@ -123,6 +141,7 @@ class GatherSchedule:
         may still read it: a graph kept by ``create_graph=True``; a gather writes the same values into it again)."""
         if unit.inflight is not None:  # never free a buffer a collective is still writing
             self._land(unit)
+        self.write_back(unit)
         if unit.is_gathered:
             unit.storage.use_shards()
             unit.is_gathered = False
@@ -133,12 +152,30 @@ class GatherSchedule:
             self.streams.writes(("gathered", unit.name))  # freed on compute, after every reader has been waited for
             unit.storage.free()
 
+    def write_back(self, unit: Unit) -> None:
+        """What code wrote into the unit's gathered copy since it was gathered, into this rank's shard. Not where the
+        shard itself was written in place since (its version counter moved: an optimizer's step that no after-step
+        refresh followed): the copy is stale then, and the shard's values win."""
+        if not unit.writable:
+            return
+        unit.writable = False
+        storage = unit.storage
+        if storage.shard._version != unit.gathered_version:
+            return
+        self.streams.reads(("gathered", unit.name))
+        self.streams.writes(("shard", unit.name))
+        with torch._C.DisableTorchFunction():  # the engine's own reads, unseen by elision's watch of the forward's ops
+            storage.write_back()
+
     def refresh(self, units: list[Unit]) -> None:
-        """Re-gather the units held gathered, after their shards changed (optimizer step, loading)."""
+        """Re-gather the units held gathered, after their shards changed (optimizer step, loading): what was written
+        into their copies before is dropped (an optimizer step writes them back first: step_watch.py)."""
         for unit in units:
             if unit.is_gathered and not unit.storage.aliases_shard:
-                unit.is_gathered = False
-                self.gather(unit)
+                unit.is_gathered, unit.writable = False, False
+                self.gather(unit, exposed=True)
+            elif unit.is_gathered and not unit.storage.offloaded:  # its shard: only `p.data = ...` to adopt
+                unit.writable, unit.gathered_version = True, unit.storage.shard._version
 
     def unit_of_storage(self, data_ptr: int) -> Optional[Unit]:
         """The unit whose gathered buffer lives at ``data_ptr``, if any."""

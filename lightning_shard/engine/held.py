@@ -1,13 +1,15 @@
 """What the runtime holds alike on every rank between steps: the buffers, made rank 0's (DDP's
-``broadcast_buffers``); and, for evaluation and generation, every unit gathered: one all-gather per unit for a whole
-loop and no collective inside it, so ranks may run different numbers of forwards (generate to different lengths).
+``broadcast_buffers``); the shards, holding what was given to their parameters; and, for evaluation and generation,
+every unit gathered: one all-gather per unit for a whole loop and no collective inside it, so ranks may run different
+numbers of forwards (generate to different lengths).
 
 A write to the held parameters (``with torch.no_grad(): model.fc.weight.mul_(2)``) lands in the gathered buffers,
 which are freed on exit: it is kept with ``modifier_rank`` (DeepSpeed's ``GatheredParameters(modifier_rank=)``: that
 rank's values written back into every rank's shards), and otherwise refused on exit, naming the parameters, rather
 than lost. A write is seen by the version counters of the gathered parameters (any in-place op on them or their views,
 on any rank) and by each rank comparing its own part of the buffers with its shard, bit for bit (a write through
-``.data``, which no counter sees, on the rank that owns the element: code every rank runs)."""
+``.data``, which no counter sees, on the rank that owns the element: code every rank runs). (So these gathers are not
+written back when freed, as a step's are: gather.py.)"""
 
 from __future__ import annotations
 
@@ -28,6 +30,12 @@ class HeldUnits:
     """Mixed into ShardRuntime (``units``, ``schedule``, ``root_unit``, the step state it reads)."""
 
     units: list[Unit]
+
+    def adopt_rebound_shards(self) -> None:
+        """Shard parameters given other tensors between steps (``p.data = ...``: a momentum teacher's update) hold
+        their values in the shards again: before anything reads the shards (a gather does it itself; a checkpoint)."""
+        for unit in self.units:
+            unit.storage.adopt_rebound_shards()
 
     @torch.no_grad()
     def sync_buffers(self) -> None:

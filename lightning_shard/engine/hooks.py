@@ -49,6 +49,7 @@ from lightning_shard.engine.outside import OutsideReads, keep_returned
 from lightning_shard.engine.norms import RuntimeNorms
 from lightning_shard.engine.reduce import GradientReducer
 from lightning_shard.engine.step_figures import StepFigures
+from lightning_shard.engine.step_watch import StepWatch
 from lightning_shard.engine.streams import streams_for
 from lightning_shard.engine.unit import Unit
 
@@ -113,6 +114,7 @@ class ShardRuntime(HeldUnits, ModelEntries, RuntimeOptimizers, RuntimeNorms, Mod
         self._install_hooks()
         self.outside = OutsideReads(units, self._gather_for_reader)  # lookups of shard parameters
         self.undo.append(self.outside.stop)
+        self._handles.append(StepWatch(self).handle)  # before every optimizer step over these parameters
 
     @property
     def trace(self) -> Optional[list[tuple[str, str]]]:
@@ -181,7 +183,7 @@ class ShardRuntime(HeldUnits, ModelEntries, RuntimeOptimizers, RuntimeNorms, Mod
             if torch.is_grad_enabled():
                 self.figures.forward_since_step = True
             if self.root_unit is not None:
-                self.schedule.gather(self.root_unit)
+                self.schedule.gather(self.root_unit, exposed=True)
             self.schedule.start_forward()
             self.elision.start_forward()
         self._depth += 1
@@ -292,7 +294,7 @@ class ShardRuntime(HeldUnits, ModelEntries, RuntimeOptimizers, RuntimeNorms, Mod
     def _pre_forward(self, unit: Unit, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
         self._follow_requires_grad(unit)
         if not self._held:
-            self.schedule.gather(unit)
+            self.schedule.gather(unit, exposed=not self._final_callback_queued)
             if not self._final_callback_queued:  # not a recomputation inside backward
                 self.schedule.forward_reached(unit)
         cast = needs_cast(unit)
@@ -379,15 +381,13 @@ class ShardRuntime(HeldUnits, ModelEntries, RuntimeOptimizers, RuntimeNorms, Mod
         self._backward_graph_kept |= torch.is_grad_enabled()  # create_graph=True: keep what its graph reads
         try:
             self.reducer.finish()
-            stepper = self.host_stepper
-            if stepper is not None:
-                stepper.landed()
-            skipped = self._apply_nonfinite_policy() if self.nonfinite is not None else False
-            if stepper is not None:
-                stepper.decide(skipped, self.total_grad_norm)
+            if self.host_stepper is not None:  # offload's overlapped step, where armed: what needs every unit
+                self.host_stepper.landed()
+                self.host_stepper.decide(self.nonfinite is not None and self.reducer.first_nonfinite,
+                                         self.total_grad_norm)
         except BaseException:
             if self.host_stepper is not None:
-                self.host_stepper.cancel()  # (a raising non-finite check: the speculative steps undone)
+                self.host_stepper.cancel()
             raise
         finally:  # after an error too
             for unit in self.units:
@@ -416,4 +416,5 @@ class ShardRuntime(HeldUnits, ModelEntries, RuntimeOptimizers, RuntimeNorms, Mod
             unit.forget_calls()
             for param in unit.storage.gathered_params:
                 param.grad = None
+            unit.storage.unsharded.drop()
             self.schedule.reshard(unit)

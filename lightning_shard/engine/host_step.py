@@ -24,7 +24,7 @@ hyperparameters): a change raises, never a silently different step.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -166,14 +166,16 @@ class HostStepper:
                 self.cancel()
                 raise
 
-    def decide(self, skipped: bool, norm: Callable[[list[nn.Parameter], float], Tensor]) -> None:
-        """After the end of backward's non-finite check (``skipped``: it cleared the gradients): clipping's norm over
-        the optimizer's parameters (``norm(params, norm_type)``, every rank), then every unit not stepped yet is
-        stepped; a speculative step the decision changes is undone and done again."""
+    def decide(self, nonfinite: Union[bool, Callable[[], Any]],
+               norm: Callable[[list[nn.Parameter], float], Tensor]) -> None:
+        """At the end of backward (every rank): whether a gradient is not finite (``nonfinite()``: the first such
+        unit on any rank, where ``nonfinite`` skips or raises: then nothing is stepped, the step's own check does the
+        rest), clipping's norm over the optimizer's parameters (``norm(params, norm_type)``); then every unit not
+        stepped yet is stepped; a speculative step the decision changes is undone and done again."""
         armed = self.armed
         if armed is None:
             return
-        if skipped:
+        if nonfinite and nonfinite() is not None:
             self.speculate = False
             self.cancel()
             return

@@ -29,31 +29,40 @@ def check_norm_type(norm_type: float) -> float:
 
 
 @torch.no_grad()
-def grad_norms(grads: list[Tensor], sharded: list[bool], norm_type: float, device: torch.device,
-               group: Optional[dist.ProcessGroup], stats: CommStats) -> tuple[Tensor, Tensor]:
-    """Per gradient, its norm over all ranks' shards; and the norm of all of them together (fp32).
+def grad_norms(grads: list[Optional[Tensor]], sharded: list[bool], norm_type: float, device: torch.device,
+               group: Optional[dist.ProcessGroup], stats: CommStats) -> tuple[Tensor, Tensor, Tensor]:
+    """Per gradient, its norm over all ranks' shards; the norm of all of them together (fp32); and whether each is a
+    gradient on some rank (bool, on ``device``: read by the host only where needed).
 
     ``sharded[i]``: whether ``grads[i]`` is this rank's part of a gradient split over the ranks (else every rank
-    holds it whole). Every rank must call it with the same gradients' parts, in the same order."""
+    holds it whole). Every rank must call it with the same parameters' gradients, in the same order; one that is
+    None on some ranks only (a rank-local ``p.grad = None``) counts as zeros there, so that every rank all-reduces
+    the same number of norms."""
     norm_type = check_norm_type(norm_type)
     # low-precision gradients are summed in fp32, as the unsharded fp32 reference would be; powers in fp64,
     # where a large p cannot overflow
     # an empty shard has norm 0 (foreach's inf-norm refuses it): a zero stands in for it. No indexing by a host list,
     # nor a tensor built from one on the device: each would be a copy the host waits for
-    standing = [g.float() if g.numel() else g.new_zeros(1, dtype=torch.float32) for g in grads]
+    standing = [g.float() if g is not None and g.numel() else torch.zeros(1, dtype=torch.float32, device=device)
+                for g in grads]
     local = (torch.stack(torch._foreach_norm(standing, norm_type)).to(device=device, dtype=torch.float64)
              if grads else torch.zeros(0, dtype=torch.float64, device=device))
+    present = torch.tensor([g is not None for g in grads], dtype=torch.bool).to(device, non_blocking=True)
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     if world > 1 and any(sharded):
+        # one all-reduce: the norms, then a flag per gradient (summed, or the max for p = inf: nonzero where any rank
+        # has it)
+        flags = present.to(torch.float64)
         if math.isinf(norm_type):
-            combined = local.clone()
+            combined = torch.cat([local, flags])
             collectives.all_reduce(combined, group, stats, op=dist.ReduceOp.MAX,
                                    label="all-reduce of the gradient norms").wait()
         else:
             once = torch.tensor(sharded).to(device, non_blocking=True) | (dist.get_rank(group) == 0)
-            combined = torch.where(once, local.pow(norm_type), 0.0)
+            combined = torch.cat([torch.where(once, local.pow(norm_type), 0.0), flags])
             collectives.all_reduce(combined, group, stats, label="all-reduce of the gradient norms").wait()
-            combined = combined.pow(1 / norm_type)
+            combined[: len(grads)] = combined[: len(grads)].pow(1 / norm_type)
+        combined, present = combined[: len(grads)], combined[len(grads):] > 0
     else:
         combined = local
     if not grads:
@@ -62,7 +71,7 @@ def grad_norms(grads: list[Tensor], sharded: list[bool], norm_type: float, devic
         total = combined.max()
     else:
         total = combined.pow(norm_type).sum().pow(1 / norm_type)
-    return combined.float(), total.float()
+    return combined.float(), total.float(), present
 
 
 @torch.no_grad()
@@ -80,8 +89,7 @@ def clip_grad_norm_(parameters: list[Tensor], sharded: list[bool], max_norm: flo
 def total_grad_norm(parameters: list[Tensor], sharded: list[bool], norm_type: float, device: torch.device,
                     group: Optional[dist.ProcessGroup], stats: CommStats) -> Tensor:
     """The norm of the gradients ``parameters`` have, over every rank's shards (what clipping scales by)."""
-    kept = [(p, s) for p, s in zip(parameters, sharded) if p.grad is not None]
-    return grad_norms([p.grad for p, _ in kept], [s for _, s in kept], norm_type, device, group, stats)[1]
+    return grad_norms([p.grad for p in parameters], sharded, norm_type, device, group, stats)[1]
 
 
 class RuntimeNorms:
@@ -90,12 +98,12 @@ class RuntimeNorms:
 
     grad_norms_read = False  # grad_norms() was called
 
-    def _apply_nonfinite_policy(self) -> bool:
-        """All ranks agree whether any gradient shard is not finite (a non-finite loss makes them so). Returns
-        whether the step is skipped."""
+    def apply_nonfinite_policy(self) -> None:
+        """Before an optimizer step (step_watch.py): all ranks agree whether any gradient shard is not finite (a
+        non-finite loss makes them so), and skip the step together (the optimizer sees no gradient) or stop."""
         first = self.reducer.first_nonfinite()
         if first is None:
-            return False
+            return
         if self.nonfinite == "error":
             raise FloatingPointError(
                 f"lightning_shard: non-finite gradient at step {self.steps_done}, first in unit {first.name!r}."
@@ -104,7 +112,6 @@ class RuntimeNorms:
             unit.storage.clear_grads()
         self.skipped_steps += 1
         warnings.warn(f"lightning_shard: step {self.steps_done} skipped: non-finite gradient in unit {first.name!r}.")
-        return True
 
     def clip_grad_norm_(self, parameters: list[Tensor], max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip by the norm over all shards, as ``torch.nn.utils.clip_grad_norm_`` on the unsharded model."""
@@ -128,10 +135,10 @@ class RuntimeNorms:
         self.grad_norms_read = True  # (the strategy's warning about Lightning's grad_norm of the shards is not needed)
         named = list(self.root.named_parameters())
         shards, sharded = self._shards_of([p for _, p in named])
-        kept = [i for i, shard in enumerate(shards) if shard.grad is not None]
-        each, total = grad_norms([shards[i].grad for i in kept], [sharded[i] for i in kept], norm_type,
-                                       self.units[0].storage.device, self.groups.shard, self.stats)
-        return [named[i][0] for i in kept], each, total
+        each, total, present = grad_norms([shard.grad for shard in shards], sharded, norm_type,
+                                          self.units[0].storage.device, self.groups.shard, self.stats)
+        kept = present.nonzero().flatten().tolist()  # a gradient on some rank (the ranks agree)
+        return [named[i][0] for i in kept], each[kept], total
 
     def _shards_of(self, parameters: list[Tensor]) -> tuple[list[nn.Parameter], list[bool]]:
         """The shard parameters (which hold the gradients) of ``parameters``, given as shards or as the gathered

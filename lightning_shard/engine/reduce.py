@@ -118,9 +118,13 @@ class GradientReducer:
         storage = unit.storage
         if sweep and id(unit) in self._done:
             return
-        if not self.sync_grads:
+        if not self.sync_grads:  # no_sync: summed where they are, in the reduction's dtype (unsharded_grads.py)
             if storage.trainable:
                 self._accumulated.add(id(unit))
+                dtype = self.reduce_dtype or storage.master_dtype
+                if dtype != storage.param_dtype:
+                    self._done.add(id(unit))
+                    storage.unsharded.hold(dtype)
             return
         carried = id(unit) in self._accumulated or (self.sync_replicas and id(unit) in self._unsynced)
         if not (storage.trainable or carried):  # (the same on every rank: what they train is checked)
@@ -142,7 +146,7 @@ class GradientReducer:
         streams.handover("compute", "reduce")
         with streams.on("reduce"):  # its temporaries are allocated, and freed, in the reduce stream's order
             streams.reads(("grads", serial))
-            flat, used, grads = storage.take_unsharded_grads(self.reduce_dtype or storage.master_dtype)
+            flat, used, grads = storage.unsharded.take(self.reduce_dtype or storage.master_dtype)
             if self.world_size > 1:
                 flat.div_(self.world_size)  # average like DDP: divide first, then sum
             self.schedule.note("reduce", unit)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Sequence
 from typing import Optional
 
@@ -28,6 +29,7 @@ from lightning_shard.engine.flat_shard import FlatShard, ParamSlot
 from lightning_shard.engine.groups import build_groups, validate_shard_size, validate_sharding
 from lightning_shard.engine.hooks import ShardRuntime
 from lightning_shard.engine.materialize import Materializer
+from lightning_shard.engine.mirrors import misaligned_mirrors
 from lightning_shard.engine.offload import HostShard, validate_offload
 from lightning_shard.engine.outside import TreeParameters, adopt
 from lightning_shard.engine.plan import (
@@ -149,6 +151,9 @@ def shard_module(
         if is_root:
             root_unit = unit
     materializer.leftover_buffers()
+    mirrors = misaligned_mirrors(module, built) if groups.shard_size > 1 and rank == 0 else None
+    if mirrors:
+        warnings.warn(mirrors, stacklevel=2)
     if buffer_dtype is not None:
         for submodule in module.modules():
             for name, buffer in submodule._buffers.items():
@@ -166,7 +171,25 @@ def shard_module(
     runtime.install_guards()
     runtime.options = options
     module._shard_runtime = runtime
+    _RUNTIMES.add(runtime)
     return runtime
+
+
+_RUNTIMES: "weakref.WeakSet[ShardRuntime]" = weakref.WeakSet()  # every live runtime, for sharded_root_of
+
+
+def sharded_root_of(module: nn.Module) -> tuple[Optional[ShardRuntime], str]:
+    """The runtime of the sharded model ``module`` is (or lies in), and ``module``'s prefix there (``"model."`` for a
+    LightningModule's ``self.model``; ``""`` for the root); ``(None, "")`` for a module outside any sharded model."""
+    runtime = getattr(module, "_shard_runtime", None)
+    if runtime is not None:
+        return runtime, ""
+    for runtime in list(_RUNTIMES):
+        if runtime.hooks_installed:
+            for name, sub in runtime.root.named_modules():
+                if sub is module:
+                    return runtime, f"{name}."
+    return None, ""
 
 
 def _spec_names(spec: object) -> object:

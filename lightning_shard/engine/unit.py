@@ -18,7 +18,11 @@ class Unit:
         self.storage = storage
         self.reshard_after_forward = reshard_after_forward
         self.is_gathered = False  # gathered data valid and registered on the members
+        # its gathered copy may have been written by code other than its backward since it was gathered (gather.py:
+        # written back to the shard when freed), and the shard's version counter then
+        self.writable, self.gathered_version = False, -1
         self.inflight: Optional[Pending] = None  # a prefetch all-gather not yet waited for
+        self.launched_version = -1  # the shard's version counter when its last all-gather was issued
         self.backward_pending = 0  # forward calls whose post-backward has not fired yet in this backward
         # a call under grad with no input needing grad (raw data into a first block): its backward cannot be seen
         # ending, so the unit is reduced at the end of backward, not when its other calls' backward ends

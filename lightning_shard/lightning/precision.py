@@ -61,6 +61,19 @@ def validate_mixed_precision(policy: object) -> Optional[MixedPrecision]:
     return policy
 
 
+def sharded_like(scaler: torch.amp.GradScaler, device: str) -> ShardedGradScaler:
+    """A ShardedGradScaler with ``scaler``'s settings and, once used, its scale and growth count."""
+    if isinstance(scaler, ShardedGradScaler):
+        return scaler
+    sharded = ShardedGradScaler(device, init_scale=scaler._init_scale, growth_factor=scaler._growth_factor,
+                                backoff_factor=scaler._backoff_factor, growth_interval=scaler._growth_interval,
+                                enabled=scaler.is_enabled())
+    state = scaler.state_dict()
+    if state:
+        sharded.load_state_dict(state)
+    return sharded
+
+
 _POLICY = {
     "32-true": MixedPrecision(),
     "bf16-mixed": MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
@@ -88,7 +101,13 @@ class ShardPrecision(Precision):
         if plugin is None or isinstance(plugin, ShardPrecision):
             return plugin or cls()
         device = str(getattr(plugin, "device", "cpu"))
-        return cls(str(getattr(plugin, "precision", "32-true")), device=device.split(":")[0])
+        converted = cls(str(getattr(plugin, "precision", "32-true")), device=device.split(":")[0])
+        given = getattr(plugin, "scaler", None)
+        if converted.scaler is not None and isinstance(given, torch.amp.GradScaler):
+            # Lightning's own (or the user's) torch.amp.GradScaler checks each rank's gradient shard alone: its
+            # settings go to a ShardedGradScaler, whose verdict agrees across ranks
+            converted.scaler = sharded_like(given, converted.device)
+        return converted
 
     # -- module and inputs --------------------------------------------------------------------------
     def convert_module(self, module: nn.Module) -> nn.Module:

@@ -99,8 +99,10 @@ class ShardStrategy(ProcessGroupMixin, EvaluationHold, CheckpointState, Parallel
             Trainer's ``precision`` string (which otherwise decides, see ``lightning_shard.lightning.precision``).
         nonfinite: ``None`` (default, no check), ``"skip"`` (a step whose gradients are not finite on any
             rank is skipped on every rank, with a warning) or ``"error"`` (stop, naming the step and the
-            first unit whose gradient is not finite). Costs one pass over the gradient shards and one tiny
-            all-reduce per step.
+            first unit whose gradient is not finite). Checked before each optimizer step, on the gradients
+            accumulated for it (an infinite micro-batch skips its whole step); under ``16-mixed`` the gradient
+            scaler skips overflowing steps first, backing off its scale, and this sees the steps it lets through.
+            Costs one pass over the gradient shards and one tiny all-reduce per step.
         state_dict_type: ``"sharded"`` (default: each rank writes its own shards into a checkpoint
             directory with ``torch.distributed.checkpoint``; no rank ever holds the whole model) or ``"full"``
             (rank 0 writes one ordinary checkpoint file that loads into the plain LightningModule). Either

@@ -254,7 +254,8 @@ def combine(sizes: list[UnitSize], master: torch.dtype, param_dtype: torch.dtype
     else:
         casting = b_param if param_dtype != master else 0
         grads_in_flight = root * b_param + largest * (b_param + b_master + casting)
-    unsharded = sum(u.padded for u in sizes) * b_param
+    # accumulated without reduction: summed in the reduction's dtype, the master's here (engine/unsharded_grads.py)
+    unsharded = sum(u.padded for u in sizes) * b_master
     if offload is not None:  # the gradient shards go to the host as they are made
         in_forward, in_backward = held.bytes(0, unsharded)
         state, scratch = round(stepped * optimizer.state), step_scratch(sizes, b_master, optimizer, step_group_numel)
