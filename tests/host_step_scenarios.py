@@ -14,22 +14,28 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_shard.checkpoint.full import full_state_dict
-from tests.models import TinyGPT
+from tests.models import Penalized, TinyGPT
 from tests.offload_scenarios import _batches
 from tests.world import as_lightning_rank
 
 
 class GPT(L.LightningModule):
     """TinyGPT with AdamW (fused where none is chosen: the CPU's fused kernel when offloaded) or SGD with momentum;
-    the loss of the micro-batches in ``nonfinite_at`` (epoch 0) is inf."""
+    the loss of the micro-batches in ``nonfinite_at`` (epoch 0) is inf. ``in_step``: what the training step does
+    before its loss's backward, as users write it there ("lr": a warmup that sets the learning rate)."""
 
-    def __init__(self, optimizer: str, nonfinite_at: tuple[int, ...] = ()) -> None:
+    UNITS = ["Block"]
+
+    def __init__(self, optimizer: str, nonfinite_at: tuple[int, ...] = (), in_step: tuple[str, ...] = ()) -> None:
         super().__init__()
-        self.optimizer, self.nonfinite_at = optimizer, nonfinite_at
+        self.optimizer, self.nonfinite_at, self.in_step = optimizer, nonfinite_at, in_step
         self.model = TinyGPT()
         self.losses: list[float] = []
 
     def training_step(self, batch, batch_idx):
+        if "lr" in self.in_step:
+            for group in self.optimizers().param_groups:
+                group["lr"] = 1e-2 * (1 + batch_idx % 3)
         loss = TinyGPT.loss(self.model, batch, batch_idx)
         if self.current_epoch == 0 and batch_idx in self.nonfinite_at:
             loss = loss * math.inf
@@ -45,14 +51,30 @@ class GPT(L.LightningModule):
                                  lr=1e-2, fused=True)
 
 
+class Critic(GPT):
+    """WGAN-GP's critic (tests/models.py ``Penalized``): its training step runs a ``create_graph=True`` backward of its
+    own (the gradient penalty) before Lightning's backward of the loss."""
+
+    UNITS = ["TanhBlock"]
+
+    def __init__(self, optimizer: str, nonfinite_at: tuple[int, ...] = (), in_step: tuple[str, ...] = ()) -> None:
+        super().__init__(optimizer, nonfinite_at, in_step)
+        self.model = Penalized()
+
+    def training_step(self, batch, batch_idx):
+        loss = Penalized.loss(self.model, batch[:, :6].float() / 37, batch_idx)
+        self.losses.append(self.all_gather(loss.detach()).mean().item())
+        return loss
+
+
 def fit(rank: int, world: int, offload: Optional[str], overlap: bool, optimizer: str, clip: Optional[float],
         accumulate: int, epochs: int, nonfinite_at: tuple[int, ...] = (), save_to: Optional[Path] = None,
-        resume_from: Optional[Path] = None) -> dict:
+        resume_from: Optional[Path] = None, module: type = GPT, in_step: tuple[str, ...] = ()) -> dict:
     from lightning_shard import ShardStrategy
 
     torch.manual_seed(0)
-    module = GPT(optimizer, nonfinite_at)
-    strategy = ShardStrategy(units=["Block"], offload=offload, offload_overlap=overlap, nonfinite="skip")
+    module = module(optimizer, nonfinite_at, in_step)
+    strategy = ShardStrategy(units=module.UNITS, offload=offload, offload_overlap=overlap, nonfinite="skip")
     callbacks = [ModelCheckpoint(save_to, filename="{epoch}", save_top_k=-1)] if save_to is not None else []
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_epochs=epochs, logger=False,
                         precision="bf16-mixed", accumulate_grad_batches=accumulate, gradient_clip_val=clip,
@@ -100,3 +122,27 @@ def overlapped_as_serial(rank: int, world: int, cases: list[dict], save_dir: str
             "weights": {name: _differ(overlapped, runs[name]) for name in ("serial", "plain", "params")},
         })
     return reports
+
+
+def _outcome(rank: int, world: int, overlap: bool, case: dict) -> dict:
+    try:
+        return fit(rank, world, "optimizer", overlap, epochs=2, **case)
+    except Exception as err:  # noqa: BLE001 - what the user sees, compared between the two
+        return {"error": f"{type(err).__name__}: {err}"}
+
+
+def overlapped_like_serial(rank: int, world: int, cases: dict[str, dict]) -> dict[str, object]:
+    """Per named case (fit options): "same" where the overlapped fit and the serial one give the same losses and
+    parameters bit for bit, ("raised", the error) where both raise it, else what differs."""
+    as_lightning_rank(rank, world)
+    report: dict[str, object] = {}
+    for name, case in cases.items():
+        overlapped, serial = _outcome(rank, world, True, case), _outcome(rank, world, False, case)
+        if "error" in overlapped or "error" in serial:
+            same = overlapped.get("error") == serial.get("error")
+            report[name] = ("raised", serial["error"]) if same else (overlapped.get("error"), serial.get("error"))
+        elif overlapped["losses"] != serial["losses"] or _differ(overlapped, serial):
+            report[name] = _differ(overlapped, serial)[:3] or "losses"
+        else:
+            report[name] = "same" if overlapped["overlapped"] else "not overlapped"
+    return report

@@ -35,6 +35,18 @@ def test_the_overlapped_host_step_equals_the_serial_one_bit_for_bit(world, tmp_p
     assert first["skipped"] == 1 and first["redone"] > 0 and first["speculative"] > first["redone"], first
 
 
+def test_what_a_training_step_does_before_its_backward_overlaps_as_it_steps_serially():
+    # the overlapped step was armed as the training step began: a learning rate set there (a warmup) was not the one
+    # the units were stepped with, and a backward there (WGAN-GP's gradient penalty) was taken for the loss's, which
+    # stepped every unit with the accumulated gradients; both stopped the fit with an error about a failed backward
+    cases = {
+        "lr set in training_step": {"optimizer": "adamw", "clip": 3.0, "accumulate": 2, "in_step": ("lr",)},
+        "gradient penalty": {"optimizer": "adamw", "clip": 3.0, "accumulate": 1, "module": scenarios.Critic},
+    }
+    report = run_world(scenarios.overlapped_like_serial, 2, cases, timeout=600)[0]
+    assert report == {name: "same" for name in cases}, report
+
+
 def test_the_worker_steps_while_a_gradient_is_still_on_its_way():
     # a landing whose copy has not arrived must not hold back a step there is to do (it did: every step waited for
     # the whole backward to land, and nothing overlapped); an arrived one goes first

@@ -62,8 +62,8 @@ def restage_each_step(trainer: "pl.Trainer") -> bool:
 
 
 def arm_for_step(strategy: Any, optimizer: Any) -> None:
-    """The last micro-batch of an automatic-optimization step begins (inside Lightning's optimizer step): arm the
-    overlapped host step for ``optimizer`` if setup allowed it."""
+    """The backward of the loss of the last micro-batch of an automatic-optimization step begins (inside Lightning's
+    optimizer step): arm the overlapped host step for ``optimizer`` if setup allowed it."""
     clip = strategy.offload_overlap_clip
     if clip is None or optimizer is None or strategy.runtime is None:
         return
