@@ -11,7 +11,7 @@ from typing import Optional
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_shard.checkpoint.full import full_state_dict
 from tests.models import Penalized, TinyGPT
@@ -67,15 +67,27 @@ class Critic(GPT):
         return loss
 
 
+class ClipSchedule(Callback):
+    """Sets ``Trainer.gradient_clip_val`` as each epoch starts (a clipping schedule)."""
+
+    def __init__(self, by_epoch: tuple[Optional[float], ...]) -> None:
+        self.by_epoch = by_epoch
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        trainer.gradient_clip_val = self.by_epoch[trainer.current_epoch]
+
+
 def fit(rank: int, world: int, offload: Optional[str], overlap: bool, optimizer: str, clip: Optional[float],
         accumulate: int, epochs: int, nonfinite_at: tuple[int, ...] = (), save_to: Optional[Path] = None,
-        resume_from: Optional[Path] = None, module: type = GPT, in_step: tuple[str, ...] = ()) -> dict:
+        resume_from: Optional[Path] = None, module: type = GPT, in_step: tuple[str, ...] = (),
+        clip_by_epoch: Optional[tuple[Optional[float], ...]] = None) -> dict:
     from lightning_shard import ShardStrategy
 
     torch.manual_seed(0)
     module = module(optimizer, nonfinite_at, in_step)
     strategy = ShardStrategy(units=module.UNITS, offload=offload, offload_overlap=overlap, nonfinite="skip")
     callbacks = [ModelCheckpoint(save_to, filename="{epoch}", save_top_k=-1)] if save_to is not None else []
+    callbacks += [ClipSchedule(clip_by_epoch)] if clip_by_epoch is not None else []
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_epochs=epochs, logger=False,
                         precision="bf16-mixed", accumulate_grad_batches=accumulate, gradient_clip_val=clip,
                         callbacks=callbacks, use_distributed_sampler=False, enable_checkpointing=save_to is not None,

@@ -35,13 +35,18 @@ def test_the_overlapped_host_step_equals_the_serial_one_bit_for_bit(world, tmp_p
     assert first["skipped"] == 1 and first["redone"] > 0 and first["speculative"] > first["redone"], first
 
 
-def test_what_a_training_step_does_before_its_backward_overlaps_as_it_steps_serially():
+def test_what_the_user_does_before_the_backward_overlaps_as_it_steps_serially():
     # the overlapped step was armed as the training step began: a learning rate set there (a warmup) was not the one
     # the units were stepped with, and a backward there (WGAN-GP's gradient penalty) was taken for the loss's, which
     # stepped every unit with the accumulated gradients; both stopped the fit with an error about a failed backward
     cases = {
         "lr set in training_step": {"optimizer": "adamw", "clip": 3.0, "accumulate": 2, "in_step": ("lr",)},
         "gradient penalty": {"optimizer": "adamw", "clip": 3.0, "accumulate": 1, "module": scenarios.Critic},
+        # Trainer.gradient_clip_val changed between epochs: read as each step is armed (it was read at setup: clipping
+        # turned off went on clipping, silently; turned on stopped the fit)
+        "clipping turned off": {"optimizer": "adamw", "clip": 0.05, "accumulate": 1, "clip_by_epoch": (0.05, None)},
+        "clipping turned on": {"optimizer": "adamw", "clip": None, "accumulate": 1, "clip_by_epoch": (None, 0.05)},
+        "clipping at -1 (none, to Lightning)": {"optimizer": "adamw", "clip": -1.0, "accumulate": 1},
     }
     report = run_world(scenarios.overlapped_like_serial, 2, cases, timeout=600)[0]
     assert report == {name: "same" for name in cases}, report

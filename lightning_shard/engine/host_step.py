@@ -67,6 +67,7 @@ class _Arming:
     stepped: dict[int, list[tuple[nn.Parameter, Optional[Tensor], int]]] = field(default_factory=dict)
     backups: dict[int, _Backup] = field(default_factory=dict)
     decided: bool = False
+    clip_asked: bool = False  # the clipping armed for was asked for (clipped())
     landings: int = 0  # gradients taken to land in .grad
     clip_total: Optional[Tensor] = None  # the norm the decision found (what the clipping call returns)
 
@@ -217,6 +218,7 @@ class HostStepper:
                 f" {len(parameters)} parameters): the optimizer's steps may have begun with other gradients. Clip by"
                 " norm over the optimizer's parameters with Trainer(gradient_clip_val=...), or set"
                 " offload_overlap=False.")
+        armed.clip_asked = True
         return armed.clip_total
 
     # -- the optimizer's step (the host) ------------------------------------------------------------
@@ -326,6 +328,8 @@ class HostStepper:
 
     def _changed_since(self, armed: _Arming) -> Optional[str]:
         optimizer = armed.step.optimizer
+        if armed.clip is not None and not armed.clip_asked:
+            return f"no clipping was asked for, though the step was armed for max_norm={armed.clip[0]} (and clipped)"
         if params_key(optimizer) != armed.key:
             return "the optimizer's param groups changed"
         for options, group in zip(armed.options, optimizer.param_groups):

@@ -6,8 +6,9 @@ the optimizer step. So it is armed only where none of them can see the differenc
 between ``backward`` and ``optimizer.step`` overridden (by the module: ``backward``, ``on_after_backward``,
 ``on_before_optimizer_step``, ``configure_gradient_clipping``, ``optimizer_step``; by a callback:
 ``on_after_backward``, ``on_before_optimizer_step``), no gradient scaler (16-mixed), and clipping, if any, by norm
-(``Trainer(gradient_clip_val=...)``, whose norm the step computes itself at the end of backward). Elsewhere the
-offloaded step runs after the hooks, as it always did: the same numbers, without the overlap.
+(``Trainer(gradient_clip_val=...)``, whose norm the step computes itself at the end of backward; read as each step is
+armed, so a callback may change it between steps). Elsewhere the offloaded step runs after the hooks, as it always
+did: the same numbers, without the overlap.
 
 The staging copies the devices read are made right after each unit's step. Code that writes the parameters between
 steps without a version bump (``p.data.clamp_()`` in ``on_before_zero_grad``, ``on_train_batch_end``, ...) would
@@ -44,8 +45,14 @@ def overlap_clip(trainer: "pl.Trainer", precision: str, asked: bool) -> Optional
     if any(is_overridden(hook, callback, pl.Callback)
            for callback in trainer.callbacks for hook in _CALLBACK_HOOKS_IN_BETWEEN):
         return None
+    return _clip(trainer)
+
+
+def _clip(trainer: "pl.Trainer") -> Optional[tuple[Optional[float]]]:
+    """The clipping Lightning will ask for after the backward: ``(max_norm,)``, ``(None,)`` for none, None where the
+    step cannot do it (by value)."""
     clip_val = trainer.gradient_clip_val
-    if not clip_val:
+    if not clip_val or clip_val <= 0:  # Lightning clips nothing then
         return (None,)
     if trainer.gradient_clip_algorithm not in (None, "norm"):
         return None
@@ -64,7 +71,8 @@ def restage_each_step(trainer: "pl.Trainer") -> bool:
 def arm_for_step(strategy: Any, optimizer: Any) -> None:
     """The backward of the loss of the last micro-batch of an automatic-optimization step begins (inside Lightning's
     optimizer step): arm the overlapped host step for ``optimizer`` if setup allowed it."""
-    clip = strategy.offload_overlap_clip
-    if clip is None or optimizer is None or strategy.runtime is None:
+    if strategy.offload_overlap_clip is None or optimizer is None or strategy.runtime is None:
         return
-    strategy.runtime.arm_host_step(optimizer, max_norm=clip[0])
+    clip = _clip(strategy.lightning_module.trainer)  # now: a callback may have changed it since setup
+    if clip is not None:
+        strategy.runtime.arm_host_step(optimizer, max_norm=clip[0])
