@@ -19,6 +19,20 @@ from tests.offload_scenarios import _batches
 from tests.world import as_lightning_rank
 
 
+class FailingSGD(torch.optim.SGD):
+    """SGD that fails at its third update of a parameter (a bug in the user's optimizer)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    self.state[param]["updates"] = self.state[param].get("updates", 0) + 1
+                    if self.state[param]["updates"] == 3:
+                        raise ValueError("the user's optimizer failed")
+        return super().step(closure)
+
+
 class GPT(L.LightningModule):
     """TinyGPT with AdamW (fused where none is chosen: the CPU's fused kernel when offloaded) or SGD with momentum;
     the loss of the micro-batches in ``nonfinite_at`` (epoch 0) is inf. ``in_step``: what the training step does
@@ -43,6 +57,8 @@ class GPT(L.LightningModule):
         return loss
 
     def configure_optimizers(self):
+        if self.optimizer == "failing":
+            return FailingSGD(self.parameters(), lr=0.05)
         if self.optimizer == "sgd":
             return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
         decay = [p for p in self.parameters() if p.ndim >= 2]
@@ -80,12 +96,13 @@ class ClipSchedule(Callback):
 def fit(rank: int, world: int, offload: Optional[str], overlap: bool, optimizer: str, clip: Optional[float],
         accumulate: int, epochs: int, nonfinite_at: tuple[int, ...] = (), save_to: Optional[Path] = None,
         resume_from: Optional[Path] = None, module: type = GPT, in_step: tuple[str, ...] = (),
-        clip_by_epoch: Optional[tuple[Optional[float], ...]] = None) -> dict:
+        clip_by_epoch: Optional[tuple[Optional[float], ...]] = None, nonfinite: Optional[str] = "skip") -> dict:
     from lightning_shard import ShardStrategy
 
     torch.manual_seed(0)
     module = module(optimizer, nonfinite_at, in_step)
-    strategy = ShardStrategy(units=module.UNITS, offload=offload, offload_overlap=overlap, nonfinite="skip")
+    strategy = ShardStrategy(units=module.UNITS, offload=offload, offload_overlap=overlap, nonfinite=nonfinite,
+                             elementwise_optimizers=[FailingSGD])
     callbacks = [ModelCheckpoint(save_to, filename="{epoch}", save_top_k=-1)] if save_to is not None else []
     callbacks += [ClipSchedule(clip_by_epoch)] if clip_by_epoch is not None else []
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_epochs=epochs, logger=False,

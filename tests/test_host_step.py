@@ -47,9 +47,12 @@ def test_what_the_user_does_before_the_backward_overlaps_as_it_steps_serially():
         "clipping turned off": {"optimizer": "adamw", "clip": 0.05, "accumulate": 1, "clip_by_epoch": (0.05, None)},
         "clipping turned on": {"optimizer": "adamw", "clip": None, "accumulate": 1, "clip_by_epoch": (None, 0.05)},
         "clipping at -1 (none, to Lightning)": {"optimizer": "adamw", "clip": -1.0, "accumulate": 1},
+        # the user's optimizer raising in the worker: its error, not one about steps that cannot be undone
+        "optimizer raising": {"optimizer": "failing", "clip": None, "accumulate": 1, "nonfinite": None},
     }
     report = run_world(scenarios.overlapped_like_serial, 2, cases, timeout=600)[0]
-    assert report == {name: "same" for name in cases}, report
+    assert report == {**{name: "same" for name in cases},
+                      "optimizer raising": ("raised", "ValueError: the user's optimizer failed")}, report
 
 
 def test_the_worker_steps_while_a_gradient_is_still_on_its_way():

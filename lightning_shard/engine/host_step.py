@@ -121,9 +121,15 @@ class HostStepper:
         return self.armed is not None and self.armed.step is step
 
     def disarm(self) -> None:
-        """Forget an arming whose step never came (a training step that returned no loss); undo what it stepped."""
+        """Forget an arming whose step never came (a training step that returned no loss); undo what it stepped, and
+        raise where that cannot be done."""
         if self.armed is not None:
-            self.cancel()
+            lost = self.cancel()
+            if lost:
+                raise RuntimeError(
+                    "lightning_shard: the overlapped host step (offload) was abandoned before its optimizer step (armed"
+                    f" again, or a failed backward).{_cannot_undo(lost)} Or set offload_overlap=False for steps that"
+                    " can be abandoned.")
 
     # -- during backward ----------------------------------------------------------------------------
     def take(self, unit: Unit, reduced: Tensor, used: list[int]) -> bool:
@@ -134,10 +140,11 @@ class HostStepper:
         if armed is None or index not in armed.params:
             return False
         if armed.decided:
-            self.cancel()
+            lost = self.cancel()
             raise RuntimeError(
                 "lightning_shard: a second backward after the one armed for the overlapped host step (offload): its"
-                " steps used the first backward's gradients. Arm before the last backward of a step only.")
+                f" steps used the first backward's gradients.{_cannot_undo(lost)} Arm before the last backward of a"
+                " step only.")
         storage = unit.storage
         if not set(used) >= set(storage.trainable):
             return False
@@ -176,7 +183,7 @@ class HostStepper:
             return
         if skipped:
             self.speculate = False
-            self.cancel()
+            self.disarm()  # (every step taken before the decision was backed up)
             return
         changed = False
         if armed.clip is not None:
@@ -211,13 +218,13 @@ class HostStepper:
         shards = [armed.step.shard_of(p) for p in parameters]
         if (armed.clip is None or not armed.decided or (float(max_norm), float(norm_type)) != armed.clip
                 or [id(p) for p in shards] != [id(p) for p in optimizer_params]):
-            self.cancel()
+            lost = self.cancel()
             raise RuntimeError(
                 "lightning_shard: gradient clipping other than the one the overlapped host step was armed for"
                 f" (offload; armed: {armed.clip}, asked: max_norm={max_norm}, norm_type={norm_type}, over"
-                f" {len(parameters)} parameters): the optimizer's steps may have begun with other gradients. Clip by"
-                " norm over the optimizer's parameters with Trainer(gradient_clip_val=...), or set"
-                " offload_overlap=False.")
+                f" {len(parameters)} parameters): the optimizer's steps may have begun with other gradients."
+                f"{_cannot_undo(lost)} Clip by norm over the optimizer's parameters with"
+                " Trainer(gradient_clip_val=...), or set offload_overlap=False.")
         armed.clip_asked = True
         return armed.clip_total
 
@@ -237,32 +244,32 @@ class HostStepper:
             self.cancel()
             raise
         if problem is not None:
-            self.cancel()
+            lost = self.cancel()
             raise RuntimeError(
                 f"lightning_shard: {problem} between the backward and the optimizer step, after the overlapped host"
-                " step (offload) had stepped with what was there before. Change gradients, param groups and"
-                " hyperparameters before the backward (or in the optimizer's closure), or set offload_overlap=False.")
+                f" step (offload) had stepped with what was there before.{_cannot_undo(lost)} Change gradients, param"
+                " groups and hyperparameters before the backward (or in the optimizer's closure), or set"
+                " offload_overlap=False.")
         self._drop_backups(armed)
         self.armed = None
         self.overlapped_steps += 1
         return True
 
-    def cancel(self) -> None:
-        """Drop the arming: what was stepped speculatively is undone; a step taken without a backup raises."""
+    def cancel(self) -> list[str]:
+        """Drop the arming: what was stepped speculatively is undone. Returns the units stepped without a backup,
+        which cannot be (for the caller's error to say so: an error of its own, or the one on its way, is what the
+        user must see). Raises an error of the worker's not raised yet."""
         armed, self.armed = self.armed, None
         if armed is None:
-            return
+            return []
         self._worker.pause()  # (the steps not started are dropped with it)
         try:
             lost = [self._by_index[i].name for i in armed.stepped if i not in armed.backups]
             self._undo_speculation(armed)
         finally:
             self._worker.resume()
-        if lost:
-            raise RuntimeError(
-                f"lightning_shard: the overlapped host step (offload) had stepped units {lost[:4]} when its optimizer"
-                " step was abandoned (a failed backward, a second backward); that cannot be undone. Resume from a"
-                " checkpoint, or set offload_overlap=False for steps that can be abandoned.")
+        self._worker.raise_error()
+        return lost
 
     def abandon(self) -> None:
         """A backward failed (and is being recovered from): what the worker did with its gradients cannot be told
@@ -271,12 +278,12 @@ class HostStepper:
         if armed is None:
             return
         landed = armed.landings
-        self.cancel()
+        lost = self.cancel()
         if landed:
             raise RuntimeError(
                 "lightning_shard: a backward failed after offload's overlapped host step had taken some of its"
-                " gradients into `.grad`; they cannot be taken out again. Resume from a checkpoint, or set"
-                " offload_overlap=False to recover from failed backwards.")
+                f" gradients into `.grad`; they cannot be taken out again.{_cannot_undo(lost)} Resume from a checkpoint,"
+                " or set offload_overlap=False to recover from failed backwards.")
 
     # -- the worker's side --------------------------------------------------------------------------
     def _queue(self, armed: _Arming, index: int, backup: bool = False) -> None:
@@ -341,6 +348,10 @@ class HostStepper:
                 if param.grad is not grad or (grad is not None and grad._version != version):
                     return f"the gradient of {armed.step.names.get(id(param), 'a parameter')!r} changed"
         return None
+
+
+def _cannot_undo(lost: list[str]) -> str:
+    return f" Units {lost[:4]} were stepped already, which cannot be undone." if lost else ""
 
 
 def _copy_state(state: Optional[dict]) -> Optional[dict]:

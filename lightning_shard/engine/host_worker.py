@@ -77,13 +77,13 @@ class HostWorker:
         self.raise_error()
 
     def pause(self) -> list[Callable[[], None]]:
-        """Stop taking steps; once the one running (if any) is done, return those not started (taken off)."""
+        """Stop taking steps; once the one running (if any) is done, return those not started (taken off). An error
+        of the worker's is left for the next :meth:`wait` or :meth:`raise_error` (after the caller's undo)."""
         with self._cond:
             self._paused = True
             while self._busy or self._lands:
                 self._cond.wait()
             left, self._steps = list(self._steps), deque()
-        self.raise_error()
         return left
 
     def resume(self) -> None:
