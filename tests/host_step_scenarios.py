@@ -33,6 +33,27 @@ class FailingSGD(torch.optim.SGD):
         return super().step(closure)
 
 
+class CountingSGD(torch.optim.SGD):
+    """SGD whose learning rate decays with a step count it keeps outside its parameters' state: in each param group
+    (timm's Adan) or, with ``where="state"``, in ``optimizer.state["k"]`` (MADGRAD's)."""
+
+    def __init__(self, params, where: str) -> None:
+        super().__init__(params, lr=0.05)
+        self.where = where
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if self.where == "state":
+            self.state["k"] = self.state.get("k", 0) + 1
+        for group in self.param_groups:
+            if self.where == "group":
+                group["step"] = group.get("step", 0) + 1
+            count = self.state["k"] if self.where == "state" else group["step"]
+            for param in group["params"]:
+                if param.grad is not None:
+                    param.add_(param.grad, alpha=-group["lr"] / count**0.5)
+
+
 class GPT(L.LightningModule):
     """TinyGPT with AdamW (fused where none is chosen: the CPU's fused kernel when offloaded) or SGD with momentum;
     the loss of the micro-batches in ``nonfinite_at`` (epoch 0) is inf. ``in_step``: what the training step does
@@ -57,6 +78,8 @@ class GPT(L.LightningModule):
         return loss
 
     def configure_optimizers(self):
+        if self.optimizer.startswith("counting in "):
+            return CountingSGD(self.parameters(), where=self.optimizer.split()[-1])
         if self.optimizer == "failing":
             return FailingSGD(self.parameters(), lr=0.05)
         if self.optimizer == "sgd":
@@ -102,7 +125,7 @@ def fit(rank: int, world: int, offload: Optional[str], overlap: bool, optimizer:
     torch.manual_seed(0)
     module = module(optimizer, nonfinite_at, in_step)
     strategy = ShardStrategy(units=module.UNITS, offload=offload, offload_overlap=overlap, nonfinite=nonfinite,
-                             elementwise_optimizers=[FailingSGD])
+                             elementwise_optimizers=[FailingSGD, CountingSGD])
     callbacks = [ModelCheckpoint(save_to, filename="{epoch}", save_top_k=-1)] if save_to is not None else []
     callbacks += [ClipSchedule(clip_by_epoch)] if clip_by_epoch is not None else []
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_epochs=epochs, logger=False,

@@ -30,25 +30,20 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_shard.engine.host_step_state import (
+    Backup,
+    copy_state,
+    outside_params,
+    same,
+    same_options,
+    written_outside,
+)
 from lightning_shard.engine.host_worker import HostWorker
 from lightning_shard.engine.optimizer_step import _raw_step
 from lightning_shard.engine.step_plan import params_key
 from lightning_shard.engine.unit import Unit
 
 SPECULATIVE_SHARE = 0.5  # at most this share of the optimizer's elements stepped before the decision (backed up)
-
-
-@dataclass(eq=False)
-class _Backup:
-    """A unit's master shard and optimizer state before a speculative step."""
-
-    shard: Tensor
-    states: dict[nn.Parameter, Optional[dict]]
-
-    @property
-    def nbytes(self) -> int:
-        tensors = [self.shard] + [v for s in self.states.values() if s for v in s.values() if isinstance(v, Tensor)]
-        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 @dataclass(eq=False)
@@ -65,7 +60,7 @@ class _Arming:
     budget: int  # elements that may still be stepped speculatively
     queued: set[int] = field(default_factory=set)  # units given to the worker to step
     stepped: dict[int, list[tuple[nn.Parameter, Optional[Tensor], int]]] = field(default_factory=dict)
-    backups: dict[int, _Backup] = field(default_factory=dict)
+    backups: dict[int, Backup] = field(default_factory=dict)
     decided: bool = False
     clip_asked: bool = False  # the clipping armed for was asked for (clipped())
     landings: int = 0  # gradients taken to land in .grad
@@ -282,8 +277,8 @@ class HostStepper:
         if landed:
             raise RuntimeError(
                 "lightning_shard: a backward failed after offload's overlapped host step had taken some of its"
-                f" gradients into `.grad`; they cannot be taken out again.{_cannot_undo(lost)} Resume from a checkpoint,"
-                " or set offload_overlap=False to recover from failed backwards.")
+                f" gradients into `.grad`; they cannot be taken out again.{_cannot_undo(lost)} Resume from a"
+                " checkpoint, or set offload_overlap=False to recover from failed backwards.")
 
     # -- the worker's side --------------------------------------------------------------------------
     def _queue(self, armed: _Arming, index: int, backup: bool = False) -> None:
@@ -297,15 +292,23 @@ class HostStepper:
         params = [p for ps in per_group for p in ps]
         if backup:
             self.speculative_units += 1
-            saved = _Backup(unit.storage.shard.clone(), {p: _copy_state(optimizer.state.get(p)) for p in params})
+            saved = Backup(unit.storage.shard.clone(), {p: copy_state(optimizer.state.get(p)) for p in params})
             armed.backups[index] = saved
             self.backup_bytes += saved.nbytes
             self.peak_backup_bytes = max(self.peak_backup_bytes, self.backup_bytes)
         armed.stepped[index] = [(p, p.grad, p.grad._version if p.grad is not None else -1) for p in params]
         shadow = object.__new__(type(optimizer))  # the optimizer over this unit's parameters alone
         shadow.__dict__.update(optimizer.__dict__)
-        shadow.param_groups = [{**options, "params": ps} for options, ps in zip(armed.shadow, per_group) if ps]
+        groups = [g for g, ps in enumerate(per_group) if ps]
+        shadow.param_groups = [{**armed.shadow[g], "params": per_group[g]} for g in groups]
+        before, state_before = dict(shadow.__dict__), outside_params(optimizer.state)
         _raw_step(optimizer)(shadow)
+        written = written_outside(shadow, before, groups, armed.shadow, state_before)
+        if written:
+            raise RuntimeError(
+                f"lightning_shard: {type(optimizer).__name__}'s step wrote state outside its parameters'"
+                f" ({written[:4]}): offload's overlapped step runs it once per unit, which would write it once per"
+                " unit. Keep such state in optimizer.state[param], or set offload_overlap=False.")
         unit.storage.stage_after_step(self._copy_stream)
 
     def _undo_speculation(self, armed: _Arming) -> None:
@@ -341,8 +344,8 @@ class HostStepper:
             return "the optimizer's param groups changed"
         for options, group in zip(armed.options, optimizer.param_groups):
             now = {k: v for k, v in group.items() if k != "params"}
-            if not _same_options(options, now):
-                return f"a param group's options changed ({sorted(k for k in now if not _same(now[k], options.get(k)))})"
+            if not same_options(options, now):
+                return f"a param group's options changed ({sorted(k for k in now if not same(now[k], options.get(k)))})"
         for index, read in armed.stepped.items():
             for param, grad, version in read:
                 if param.grad is not grad or (grad is not None and grad._version != version):
@@ -353,21 +356,3 @@ class HostStepper:
 def _cannot_undo(lost: list[str]) -> str:
     return f" Units {lost[:4]} were stepped already, which cannot be undone." if lost else ""
 
-
-def _copy_state(state: Optional[dict]) -> Optional[dict]:
-    if not state:
-        return None
-    return {k: v.clone() if isinstance(v, Tensor) else v for k, v in state.items()}
-
-
-def _same_options(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-
-
-def _same(a: object, b: object) -> bool:
-    if isinstance(a, Tensor) or isinstance(b, Tensor):
-        return isinstance(a, Tensor) and isinstance(b, Tensor) and a.shape == b.shape and bool(torch.equal(a, b))
-    try:
-        return bool(a == b)
-    except Exception:  # noqa: BLE001 - values that do not compare: the same object or not
-        return a is b
