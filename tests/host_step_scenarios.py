@@ -57,7 +57,8 @@ class CountingSGD(torch.optim.SGD):
 class GPT(L.LightningModule):
     """TinyGPT with AdamW (fused where none is chosen: the CPU's fused kernel when offloaded) or SGD with momentum;
     the loss of the micro-batches in ``nonfinite_at`` (epoch 0) is inf. ``in_step``: what the training step does
-    before its loss's backward, as users write it there ("lr": a warmup that sets the learning rate)."""
+    before its loss's backward, as users write it there ("lr": a warmup that sets the learning rate; "clamp": a weight
+    constraint through ``.data``)."""
 
     UNITS = ["Block"]
 
@@ -71,6 +72,9 @@ class GPT(L.LightningModule):
         if "lr" in self.in_step:
             for group in self.optimizers().param_groups:
                 group["lr"] = 1e-2 * (1 + batch_idx % 3)
+        if "clamp" in self.in_step:  # WGAN's weight clipping, before the critic's forward: no version counter sees it
+            for param in self.parameters():
+                param.data.clamp_(-0.05, 0.05)
         loss = TinyGPT.loss(self.model, batch, batch_idx)
         if self.current_epoch == 0 and batch_idx in self.nonfinite_at:
             loss = loss * math.inf

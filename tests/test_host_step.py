@@ -47,6 +47,9 @@ def test_what_the_user_does_before_the_backward_overlaps_as_it_steps_serially():
         "clipping turned off": {"optimizer": "adamw", "clip": 0.05, "accumulate": 1, "clip_by_epoch": (0.05, None)},
         "clipping turned on": {"optimizer": "adamw", "clip": None, "accumulate": 1, "clip_by_epoch": (None, 0.05)},
         "clipping at -1 (none, to Lightning)": {"optimizer": "adamw", "clip": -1.0, "accumulate": 1},
+        # a write through .data in training_step, before the forward: the step's first gathers used the copies the
+        # worker made before it, silently (no version counter sees it, and no hook of the module's is overridden)
+        "weights clamped in training_step": {"optimizer": "adamw", "clip": 3.0, "accumulate": 1, "in_step": ("clamp",)},
         # the user's optimizer raising in the worker: its error, not one about steps that cannot be undone
         "optimizer raising": {"optimizer": "failing", "clip": None, "accumulate": 1, "nonfinite": None},
     }

@@ -11,9 +11,10 @@ armed, so a callback may change it between steps). Elsewhere the offloaded step 
 did: the same numbers, without the overlap.
 
 The staging copies the devices read are made right after each unit's step. Code that writes the parameters between
-steps without a version bump (``p.data.clamp_()`` in ``on_before_zero_grad``, ``on_train_batch_end``, ...) would
-not be seen there: where the module or a callback of yours overrides a hook that runs between steps, every step
-still makes its staging copies again at its first gathers (``ShardRuntime.restage_each_step``), as before.
+steps without a version bump would not be seen there: where the module or a callback of yours overrides a hook that
+runs between steps, every step still makes its staging copies again at its first gathers
+(``ShardRuntime.restage_each_step``), as before; and touching a shard parameter's ``.data`` anywhere (``training_step``
+too) makes its unit's copies again (``engine/offload.py``).
 """
 
 from __future__ import annotations
