@@ -88,3 +88,36 @@ def test_the_worker_steps_while_a_gradient_is_still_on_its_way():
     threading.Timer(0.5, arrived.set).start()
     worker.wait()
     assert done.index("step 3") < done.index("land 2") and done[-1] == "land 4", done
+
+
+def test_a_landing_whose_readiness_check_fails_raises_instead_of_hanging():
+    # a CUDA error (a device-side assert in backward) makes the event query of a gradient's copy raise: it killed the
+    # worker thread, and the host waited for it forever (the end of backward, the undo of a failed step)
+    import threading
+
+    import torch
+
+    from lightning_shard.engine.host_worker import HostWorker
+
+    def failed() -> bool:
+        raise RuntimeError("CUDA error: device-side assert triggered")
+
+    def land() -> None:  # the landing's own wait for the copy raises the same error
+        failed()
+
+    worker, outcome, release = HostWorker(torch.device("cpu")), [], threading.Event()
+    worker.submit(release.wait)  # busy while a step and the landing queue behind it: the landing's check runs next
+    worker.submit(lambda: None)
+    worker.submit(land, ready=failed)
+    release.set()
+
+    def wait() -> None:
+        try:
+            worker.wait()
+        except RuntimeError as err:
+            outcome.append(str(err))
+
+    waiting = threading.Thread(target=wait, daemon=True)
+    waiting.start()
+    waiting.join(10)
+    assert outcome == ["CUDA error: device-side assert triggered"], "the host still waits for the worker"
