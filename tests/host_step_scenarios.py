@@ -90,8 +90,18 @@ class GPT(L.LightningModule):
             return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
         decay = [p for p in self.parameters() if p.ndim >= 2]
         rest = [p for p in self.parameters() if p.ndim < 2]
-        return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
-                                 lr=1e-2, fused=True)
+        optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+                                      lr=1e-2, fused=True)
+        if self.optimizer == "adamw with a warmup hook":  # a step pre-hook setting the learning rate
+            steps = []
+
+            def warmup(optimizer, args, kwargs):
+                steps.append(1)
+                for group in optimizer.param_groups:
+                    group["lr"] = 1e-2 * min(1.0, len(steps) / 3)
+
+            optimizer.register_step_pre_hook(warmup)
+        return optimizer
 
 
 class Critic(GPT):

@@ -50,11 +50,14 @@ def test_what_the_user_does_before_the_backward_overlaps_as_it_steps_serially():
         # a write through .data in training_step, before the forward: the step's first gathers used the copies the
         # worker made before it, silently (no version counter sees it, and no hook of the module's is overridden)
         "weights clamped in training_step": {"optimizer": "adamw", "clip": 3.0, "accumulate": 1, "in_step": ("clamp",)},
+        # a step pre-hook runs after the units were stepped: such an optimizer is stepped after the backward (it raised
+        # that the learning rate changed)
+        "warmup in a step pre-hook": {"optimizer": "adamw with a warmup hook", "clip": 3.0, "accumulate": 1},
         # the user's optimizer raising in the worker: its error, not one about steps that cannot be undone
         "optimizer raising": {"optimizer": "failing", "clip": None, "accumulate": 1, "nonfinite": None},
     }
     report = run_world(scenarios.overlapped_like_serial, 2, cases, timeout=600)[0]
-    assert report == {**{name: "same" for name in cases},
+    assert report == {**{name: "same" for name in cases}, "warmup in a step pre-hook": "not overlapped",
                       "optimizer raising": ("raised", "ValueError: the user's optimizer failed")}, report
 
 

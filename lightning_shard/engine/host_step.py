@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
+from torch.optim.optimizer import _global_optimizer_pre_hooks
 
 from lightning_shard.engine.host_step_state import (
     Backup,
@@ -87,10 +88,13 @@ class HostStepper:
     # -- arming (the host, before the backward) -----------------------------------------------------
     def arm(self, step: Any, clip: Optional[tuple[float, float]], decides: bool) -> bool:
         """Overlap the next backward with ``step``'s optimizer step; False where it cannot (a parameter outside the
-        offloaded units, an optimizer stepping whole parameters), and the step stays as it is."""
+        offloaded units, an optimizer stepping whole parameters, step pre-hooks: they run at ``optimizer.step()``, after
+        the units were stepped), and the step stays as it is."""
         self.disarm()
         optimizer: Optimizer = step.optimizer
         if step.whole or not self.units or not all(unit.storage.offloaded for unit in self.units):
+            return False
+        if optimizer._optimizer_step_pre_hooks or _global_optimizer_pre_hooks:
             return False
         step.agree_on_groups()  # (every rank arms at the same point) the groups the steps will see
         params: dict[int, list[list[nn.Parameter]]] = {}
