@@ -124,3 +124,31 @@ def test_a_landing_whose_readiness_check_fails_raises_instead_of_hanging():
     waiting.start()
     waiting.join(10)
     assert outcome == ["CUDA error: device-side assert triggered"], "the host still waits for the worker"
+
+
+def test_setup_says_why_the_step_does_not_overlap():
+    # a hook between backward and step (gradient norms logged in on_before_optimizer_step, Lightning's own recipe)
+    # turned the overlap off without a word: the step took the serial time
+    from types import SimpleNamespace
+
+    import lightning as L
+
+    from lightning_shard.lightning.offload_overlap import not_overlapped
+
+    class Logs(L.LightningModule):
+        def on_before_optimizer_step(self, optimizer):
+            pass
+
+    class Watches(L.Callback):
+        def on_after_backward(self, trainer, pl_module):
+            pass
+
+    def trainer(module, callbacks=(), algorithm=None):
+        return SimpleNamespace(lightning_module=module, callbacks=list(callbacks), gradient_clip_val=1.0,
+                               gradient_clip_algorithm=algorithm)
+
+    assert not_overlapped(trainer(L.LightningModule()), "bf16-mixed") is None
+    assert not_overlapped(trainer(Logs(), [Watches()]), "bf16-mixed") == (
+        "on_before_optimizer_step, Watches.on_after_backward run between backward and step")
+    assert "16-mixed" in not_overlapped(trainer(L.LightningModule()), "16-mixed")
+    assert "'value'" in not_overlapped(trainer(L.LightningModule(), algorithm="value"), "32-true")

@@ -23,6 +23,7 @@ from typing import Any, Optional
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 _MODULE_HOOKS_IN_BETWEEN = ("backward", "on_after_backward", "on_before_optimizer_step", "configure_gradient_clipping",
                             "optimizer_step")
@@ -38,15 +39,30 @@ _LIBRARIES = ("lightning.", "pytorch_lightning.", "lightning_shard.")
 
 def overlap_clip(trainer: "pl.Trainer", precision: str, asked: bool) -> Optional[tuple[Optional[float]]]:
     """``(max_norm,)`` (None: no clipping) when the overlapped step may be armed for ``trainer``'s fit; None if not."""
-    module = trainer.lightning_module
-    if not asked or not module.automatic_optimization or precision == "16-mixed":
+    if not asked:
         return None
-    if any(is_overridden(hook, module, pl.LightningModule) for hook in _MODULE_HOOKS_IN_BETWEEN):
-        return None
-    if any(is_overridden(hook, callback, pl.Callback)
-           for callback in trainer.callbacks for hook in _CALLBACK_HOOKS_IN_BETWEEN):
+    reason = not_overlapped(trainer, precision)
+    if reason is not None:  # a user who pays for offload should know where its overlap went
+        rank_zero_info(f"lightning_shard: offload's optimizer step runs after the backward, not during it: {reason}.")
         return None
     return _clip(trainer)
+
+
+def not_overlapped(trainer: "pl.Trainer", precision: str) -> Optional[str]:
+    """Why the overlapped step may not be armed for ``trainer``'s fit (what the user can change), or None."""
+    module = trainer.lightning_module
+    if not module.automatic_optimization:
+        return "manual optimization"
+    if precision == "16-mixed":
+        return "precision='16-mixed' (its gradient scaler unscales between backward and step)"
+    hooks = [hook for hook in _MODULE_HOOKS_IN_BETWEEN if is_overridden(hook, module, pl.LightningModule)]
+    hooks += [f"{type(callback).__name__}.{hook}" for callback in trainer.callbacks
+              for hook in _CALLBACK_HOOKS_IN_BETWEEN if is_overridden(hook, callback, pl.Callback)]
+    if hooks:
+        return f"{', '.join(hooks)} run between backward and step"
+    if _clip(trainer) is None:
+        return "gradient_clip_algorithm='value'"
+    return None
 
 
 def _clip(trainer: "pl.Trainer") -> Optional[tuple[Optional[float]]]:
