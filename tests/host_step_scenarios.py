@@ -35,7 +35,8 @@ class FailingSGD(torch.optim.SGD):
 
 class CountingSGD(torch.optim.SGD):
     """SGD whose learning rate decays with a step count it keeps outside its parameters' state: in each param group
-    (timm's Adan) or, with ``where="state"``, in ``optimizer.state["k"]`` (MADGRAD's)."""
+    (timm's Adan) or, with ``where="state"``, in ``optimizer.state["k"]`` (MADGRAD's); ``where="gradients"``: plain SGD
+    that adds weight decay to the gradients in place."""
 
     def __init__(self, params, where: str) -> None:
         super().__init__(params, lr=0.05)
@@ -43,6 +44,12 @@ class CountingSGD(torch.optim.SGD):
 
     @torch.no_grad()
     def step(self, closure=None):
+        if self.where == "gradients":  # (no count: weight decay added to the gradients in place)
+            for group in self.param_groups:
+                for param in group["params"]:
+                    if param.grad is not None:
+                        param.grad.add_(param, alpha=0.01)
+            return super().step(closure)
         if self.where == "state":
             self.state["k"] = self.state.get("k", 0) + 1
         for group in self.param_groups:

@@ -64,13 +64,16 @@ def test_what_the_user_does_before_the_backward_overlaps_as_it_steps_serially():
 def test_an_optimizer_keeping_state_outside_its_parameters_is_refused_by_the_overlapped_step():
     # stepped unit by unit, a step count kept in the param group (timm's Adan) or in optimizer.state["k"] (MADGRAD's)
     # was counted once per unit, or not at all: silently other numbers than the serial step's
+    # an optimizer writing the gradients in place stopped the fit with "the gradient of ... changed between the backward
+    # and the optimizer step", blaming the user
     cases = {"in the param group": {"optimizer": "counting in group", "clip": 3.0, "accumulate": 1},
-             "in optimizer.state": {"optimizer": "counting in state", "clip": None, "accumulate": 1}}
+             "in optimizer.state": {"optimizer": "counting in state", "clip": None, "accumulate": 1},
+             "in the gradients": {"optimizer": "counting in gradients", "clip": 3.0, "accumulate": 1}}
     report = run_world(scenarios.overlapped_like_serial, 2, cases, timeout=600)[0]
     for name, where in (("in the param group", "param group 0's 'step'"),
-                        ("in optimizer.state", "optimizer.state['k']")):
+                        ("in optimizer.state", "optimizer.state['k']"), ("in the gradients", "the gradient of 'model.")):
         overlapped, serial = report[name]
-        assert serial is None and "CountingSGD's step wrote state outside its parameters'" in overlapped, report
+        assert serial is None and "CountingSGD's step wrote outside its parameters' state" in overlapped, report
         assert where in overlapped and "offload_overlap=False" in overlapped, overlapped
 
 

@@ -308,11 +308,14 @@ class HostStepper:
         before, state_before = dict(shadow.__dict__), outside_params(optimizer.state)
         _raw_step(optimizer)(shadow)
         written = written_outside(shadow, before, groups, armed.shadow, state_before)
+        written += [f"the gradient of {armed.step.names.get(id(p), 'a parameter')!r}"
+                    for p, grad, version in armed.stepped[index] if grad is not None and grad._version != version]
         if written:
             raise RuntimeError(
-                f"lightning_shard: {type(optimizer).__name__}'s step wrote state outside its parameters'"
-                f" ({written[:4]}): offload's overlapped step runs it once per unit, which would write it once per"
-                " unit. Keep such state in optimizer.state[param], or set offload_overlap=False.")
+                f"lightning_shard: {type(optimizer).__name__}'s step wrote outside its parameters' state"
+                f" ({written[:4]}): offload's overlapped step runs it once per unit, and again where clipping redoes a"
+                " step, so it would write that more than once. Keep such state in optimizer.state[param] (and the"
+                " gradients as they are), or set offload_overlap=False.")
         unit.storage.stage_after_step(self._copy_stream)
 
     def _undo_speculation(self, armed: _Arming) -> None:

@@ -4,7 +4,8 @@ of its master shard and optimizer state taken before a speculative step, and wha
 The overlapped step runs the user's optimizer once per unit, on that unit's parameters alone: the same numbers as
 one call over every parameter only where the optimizer keeps all its state under its parameters
 (``optimizer.state[param]``). A step count kept in the param group (timm's Adan) or in ``optimizer.state["k"]``
-(MADGRAD's) would be advanced once per unit: :func:`written_outside` finds such writes, and the step refuses them.
+(MADGRAD's) would be advanced once per unit, and gradients written in place would be written again by a step redone
+after clipping: :func:`written_outside` finds such writes (host_step.py the gradients'), and the step refuses them.
 """
 
 from __future__ import annotations
