@@ -5,7 +5,7 @@ The overlapped step runs the user's optimizer once per unit, on that unit's para
 one call over every parameter only where the optimizer keeps all its state under its parameters
 (``optimizer.state[param]``). A step count kept in the param group (timm's Adan) or in ``optimizer.state["k"]``
 (MADGRAD's) would be advanced once per unit, and gradients written in place would be written again by a step redone
-after clipping: :func:`written_outside` finds such writes (host_step.py the gradients'), and the step refuses them.
+after clipping: :func:`written_outside` finds the former (host_step.py the latter), and the step refuses them.
 """
 
 from __future__ import annotations
