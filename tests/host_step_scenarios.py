@@ -11,25 +11,77 @@ from typing import Optional
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_shard.checkpoint.full import full_state_dict
-from tests.models import TinyGPT
+from tests.models import Penalized, TinyGPT
 from tests.offload_scenarios import _batches
 from tests.world import as_lightning_rank
 
 
+class FailingSGD(torch.optim.SGD):
+    """SGD that fails at its third update of a parameter (a bug in the user's optimizer)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    self.state[param]["updates"] = self.state[param].get("updates", 0) + 1
+                    if self.state[param]["updates"] == 3:
+                        raise ValueError("the user's optimizer failed")
+        return super().step(closure)
+
+
+class CountingSGD(torch.optim.SGD):
+    """SGD whose learning rate decays with a step count it keeps outside its parameters' state: in each param group
+    (timm's Adan) or, with ``where="state"``, in ``optimizer.state["k"]`` (MADGRAD's); ``where="gradients"``: plain SGD
+    that adds weight decay to the gradients in place."""
+
+    def __init__(self, params, where: str) -> None:
+        super().__init__(params, lr=0.05)
+        self.where = where
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if self.where == "gradients":  # (no count: weight decay added to the gradients in place)
+            for group in self.param_groups:
+                for param in group["params"]:
+                    if param.grad is not None:
+                        param.grad.add_(param, alpha=0.01)
+            return super().step(closure)
+        if self.where == "state":
+            self.state["k"] = self.state.get("k", 0) + 1
+        for group in self.param_groups:
+            if self.where == "group":
+                group["step"] = group.get("step", 0) + 1
+            count = self.state["k"] if self.where == "state" else group["step"]
+            for param in group["params"]:
+                if param.grad is not None:
+                    param.add_(param.grad, alpha=-group["lr"] / count**0.5)
+
+
 class GPT(L.LightningModule):
     """TinyGPT with AdamW (fused where none is chosen: the CPU's fused kernel when offloaded) or SGD with momentum;
-    the loss of the micro-batches in ``nonfinite_at`` (epoch 0) is inf."""
+    the loss of the micro-batches in ``nonfinite_at`` (epoch 0) is inf. ``in_step``: what the training step does
+    before its loss's backward, as users write it there ("lr": a warmup that sets the learning rate; "clamp": a weight
+    constraint through ``.data``)."""
 
-    def __init__(self, optimizer: str, nonfinite_at: tuple[int, ...] = ()) -> None:
+    UNITS = ["Block"]
+
+    def __init__(self, optimizer: str, nonfinite_at: tuple[int, ...] = (), in_step: tuple[str, ...] = ()) -> None:
         super().__init__()
-        self.optimizer, self.nonfinite_at = optimizer, nonfinite_at
+        self.optimizer, self.nonfinite_at, self.in_step = optimizer, nonfinite_at, in_step
         self.model = TinyGPT()
         self.losses: list[float] = []
 
     def training_step(self, batch, batch_idx):
+        if "lr" in self.in_step:
+            for group in self.optimizers().param_groups:
+                group["lr"] = 1e-2 * (1 + batch_idx % 3)
+        if "clamp" in self.in_step:  # WGAN's weight clipping, before the critic's forward: no version counter sees it
+            for param in self.parameters():
+                param.data.clamp_(-0.05, 0.05)
         loss = TinyGPT.loss(self.model, batch, batch_idx)
         if self.current_epoch == 0 and batch_idx in self.nonfinite_at:
             loss = loss * math.inf
@@ -37,23 +89,66 @@ class GPT(L.LightningModule):
         return loss
 
     def configure_optimizers(self):
+        if self.optimizer.startswith("counting in "):
+            return CountingSGD(self.parameters(), where=self.optimizer.split()[-1])
+        if self.optimizer == "failing":
+            return FailingSGD(self.parameters(), lr=0.05)
         if self.optimizer == "sgd":
             return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
         decay = [p for p in self.parameters() if p.ndim >= 2]
         rest = [p for p in self.parameters() if p.ndim < 2]
-        return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
-                                 lr=1e-2, fused=True)
+        optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+                                      lr=1e-2, fused=True)
+        if self.optimizer == "adamw with a warmup hook":  # a step pre-hook setting the learning rate
+            steps = []
+
+            def warmup(optimizer, args, kwargs):
+                steps.append(1)
+                for group in optimizer.param_groups:
+                    group["lr"] = 1e-2 * min(1.0, len(steps) / 3)
+
+            optimizer.register_step_pre_hook(warmup)
+        return optimizer
+
+
+class Critic(GPT):
+    """WGAN-GP's critic (tests/models.py ``Penalized``): its training step runs a ``create_graph=True`` backward of its
+    own (the gradient penalty) before Lightning's backward of the loss."""
+
+    UNITS = ["TanhBlock"]
+
+    def __init__(self, optimizer: str, nonfinite_at: tuple[int, ...] = (), in_step: tuple[str, ...] = ()) -> None:
+        super().__init__(optimizer, nonfinite_at, in_step)
+        self.model = Penalized()
+
+    def training_step(self, batch, batch_idx):
+        loss = Penalized.loss(self.model, batch[:, :6].float() / 37, batch_idx)
+        self.losses.append(self.all_gather(loss.detach()).mean().item())
+        return loss
+
+
+class ClipSchedule(Callback):
+    """Sets ``Trainer.gradient_clip_val`` as each epoch starts (a clipping schedule)."""
+
+    def __init__(self, by_epoch: tuple[Optional[float], ...]) -> None:
+        self.by_epoch = by_epoch
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        trainer.gradient_clip_val = self.by_epoch[trainer.current_epoch]
 
 
 def fit(rank: int, world: int, offload: Optional[str], overlap: bool, optimizer: str, clip: Optional[float],
         accumulate: int, epochs: int, nonfinite_at: tuple[int, ...] = (), save_to: Optional[Path] = None,
-        resume_from: Optional[Path] = None) -> dict:
+        resume_from: Optional[Path] = None, module: type = GPT, in_step: tuple[str, ...] = (),
+        clip_by_epoch: Optional[tuple[Optional[float], ...]] = None, nonfinite: Optional[str] = "skip") -> dict:
     from lightning_shard import ShardStrategy
 
     torch.manual_seed(0)
-    module = GPT(optimizer, nonfinite_at)
-    strategy = ShardStrategy(units=["Block"], offload=offload, offload_overlap=overlap, nonfinite="skip")
+    module = module(optimizer, nonfinite_at, in_step)
+    strategy = ShardStrategy(units=module.UNITS, offload=offload, offload_overlap=overlap, nonfinite=nonfinite,
+                             elementwise_optimizers=[FailingSGD, CountingSGD])
     callbacks = [ModelCheckpoint(save_to, filename="{epoch}", save_top_k=-1)] if save_to is not None else []
+    callbacks += [ClipSchedule(clip_by_epoch)] if clip_by_epoch is not None else []
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_epochs=epochs, logger=False,
                         precision="bf16-mixed", accumulate_grad_batches=accumulate, gradient_clip_val=clip,
                         callbacks=callbacks, use_distributed_sampler=False, enable_checkpointing=save_to is not None,
@@ -130,3 +225,27 @@ def frozen_units_move_nothing(rank: int, world: int, offload: str) -> dict:
         if mode is not None:
             copies = {unit.name: unit.storage._stagings + unit.storage.uploads for unit in runtime.units}
     return {"copies": copies, "differ": [k for k in states[None] if not torch.equal(states[None][k], states[offload][k])]}
+
+
+def _outcome(rank: int, world: int, overlap: bool, case: dict) -> dict:
+    try:
+        return fit(rank, world, "optimizer", overlap, epochs=2, **case)
+    except Exception as err:  # noqa: BLE001 - what the user sees, compared between the two
+        return {"error": f"{type(err).__name__}: {err}"}
+
+
+def overlapped_like_serial(rank: int, world: int, cases: dict[str, dict]) -> dict[str, object]:
+    """Per named case (fit options): "same" where the overlapped fit and the serial one give the same losses and
+    parameters bit for bit, ("raised", the error) where both raise it, else what differs."""
+    as_lightning_rank(rank, world)
+    report: dict[str, object] = {}
+    for name, case in cases.items():
+        overlapped, serial = _outcome(rank, world, True, case), _outcome(rank, world, False, case)
+        if "error" in overlapped or "error" in serial:
+            same = overlapped.get("error") == serial.get("error")
+            report[name] = ("raised", serial["error"]) if same else (overlapped.get("error"), serial.get("error"))
+        elif overlapped["losses"] != serial["losses"] or _differ(overlapped, serial):
+            report[name] = _differ(overlapped, serial)[:3] or "losses"
+        else:
+            report[name] = "same" if overlapped["overlapped"] else "not overlapped"
+    return report

@@ -35,6 +35,48 @@ def test_the_overlapped_host_step_equals_the_serial_one_bit_for_bit(world, tmp_p
     assert first["skipped"] == 1 and first["redone"] > 0 and first["speculative"] > first["redone"], first
 
 
+def test_what_the_user_does_before_the_backward_overlaps_as_it_steps_serially():
+    # the overlapped step was armed as the training step began: a learning rate set there (a warmup) was not the one
+    # the units were stepped with, and a backward there (WGAN-GP's gradient penalty) was taken for the loss's, which
+    # stepped every unit with the accumulated gradients; both stopped the fit with an error about a failed backward
+    cases = {
+        "lr set in training_step": {"optimizer": "adamw", "clip": 3.0, "accumulate": 2, "in_step": ("lr",)},
+        "gradient penalty": {"optimizer": "adamw", "clip": 3.0, "accumulate": 1, "module": scenarios.Critic},
+        # Trainer.gradient_clip_val changed between epochs: read as each step is armed (it was read at setup: clipping
+        # turned off went on clipping, silently; turned on stopped the fit)
+        "clipping turned off": {"optimizer": "adamw", "clip": 0.05, "accumulate": 1, "clip_by_epoch": (0.05, None)},
+        "clipping turned on": {"optimizer": "adamw", "clip": None, "accumulate": 1, "clip_by_epoch": (None, 0.05)},
+        "clipping at -1 (none, to Lightning)": {"optimizer": "adamw", "clip": -1.0, "accumulate": 1},
+        # a write through .data in training_step, before the forward: the step's first gathers used the copies the
+        # worker made before it, silently (no version counter sees it, and no hook of the module's is overridden)
+        "weights clamped in training_step": {"optimizer": "adamw", "clip": 3.0, "accumulate": 1, "in_step": ("clamp",)},
+        # a step pre-hook runs after the units were stepped: such an optimizer is stepped after the backward (it raised
+        # that the learning rate changed)
+        "warmup in a step pre-hook": {"optimizer": "adamw with a warmup hook", "clip": 3.0, "accumulate": 1},
+        # the user's optimizer raising in the worker: its error, not one about steps that cannot be undone
+        "optimizer raising": {"optimizer": "failing", "clip": None, "accumulate": 1, "nonfinite": None},
+    }
+    report = run_world(scenarios.overlapped_like_serial, 2, cases, timeout=600)[0]
+    assert report == {**{name: "same" for name in cases}, "warmup in a step pre-hook": "not overlapped",
+                      "optimizer raising": ("raised", "ValueError: the user's optimizer failed")}, report
+
+
+def test_an_optimizer_keeping_state_outside_its_parameters_is_refused_by_the_overlapped_step():
+    # stepped unit by unit, a step count kept in the param group (timm's Adan) or in optimizer.state["k"] (MADGRAD's)
+    # was counted once per unit, or not at all: silently other numbers than the serial step's
+    # an optimizer writing the gradients in place stopped the fit with "the gradient of ... changed between the backward
+    # and the optimizer step", blaming the user
+    cases = {"in the param group": {"optimizer": "counting in group", "clip": 3.0, "accumulate": 1},
+             "in optimizer.state": {"optimizer": "counting in state", "clip": None, "accumulate": 1},
+             "in the gradients": {"optimizer": "counting in gradients", "clip": 3.0, "accumulate": 1}}
+    report = run_world(scenarios.overlapped_like_serial, 2, cases, timeout=600)[0]
+    for name, where in (("in the param group", "param group 0's 'step'"),
+                        ("in optimizer.state", "optimizer.state['k']"), ("in the gradients", "the gradient of 'model.")):
+        overlapped, serial = report[name]
+        assert serial is None and "CountingSGD's step wrote outside its parameters' state" in overlapped, report
+        assert where in overlapped and "offload_overlap=False" in overlapped, overlapped
+
+
 def test_the_worker_steps_while_a_gradient_is_still_on_its_way():
     # a landing whose copy has not arrived must not hold back a step there is to do (it did: every step waited for
     # the whole backward to land, and nothing overlapped); an arrived one goes first
@@ -64,3 +106,64 @@ def test_frozen_units_are_copied_once_under_offload(offload):
     frozen = [name for name in copies if name.endswith(("blocks.0", "blocks.1"))]
     assert len(frozen) == 2 and all(copies[name] == 1 for name in frozen), copies
     assert all(copies[name] > 1 for name in copies if name not in frozen), copies
+
+
+def test_a_landing_whose_readiness_check_fails_raises_instead_of_hanging():
+    # a CUDA error (a device-side assert in backward) makes the event query of a gradient's copy raise: it killed the
+    # worker thread, and the host waited for it forever (the end of backward, the undo of a failed step)
+    import threading
+
+    import torch
+
+    from lightning_shard.engine.host_worker import HostWorker
+
+    def failed() -> bool:
+        raise RuntimeError("CUDA error: device-side assert triggered")
+
+    def land() -> None:  # the landing's own wait for the copy raises the same error
+        failed()
+
+    worker, outcome, release = HostWorker(torch.device("cpu")), [], threading.Event()
+    worker.submit(release.wait)  # busy while a step and the landing queue behind it: the landing's check runs next
+    worker.submit(lambda: None)
+    worker.submit(land, ready=failed)
+    release.set()
+
+    def wait() -> None:
+        try:
+            worker.wait()
+        except RuntimeError as err:
+            outcome.append(str(err))
+
+    waiting = threading.Thread(target=wait, daemon=True)
+    waiting.start()
+    waiting.join(10)
+    assert outcome == ["CUDA error: device-side assert triggered"], "the host still waits for the worker"
+
+
+def test_setup_says_why_the_step_does_not_overlap():
+    # a hook between backward and step (gradient norms logged in on_before_optimizer_step, Lightning's own recipe)
+    # turned the overlap off without a word: the step took the serial time
+    from types import SimpleNamespace
+
+    import lightning as L
+
+    from lightning_shard.lightning.offload_overlap import not_overlapped
+
+    class Logs(L.LightningModule):
+        def on_before_optimizer_step(self, optimizer):
+            pass
+
+    class Watches(L.Callback):
+        def on_after_backward(self, trainer, pl_module):
+            pass
+
+    def trainer(module, callbacks=(), algorithm=None):
+        return SimpleNamespace(lightning_module=module, callbacks=list(callbacks), gradient_clip_val=1.0,
+                               gradient_clip_algorithm=algorithm)
+
+    assert not_overlapped(trainer(L.LightningModule()), "bf16-mixed") is None
+    assert not_overlapped(trainer(Logs(), [Watches()]), "bf16-mixed") == (
+        "on_before_optimizer_step, Watches.on_after_backward run between backward and step")
+    assert "16-mixed" in not_overlapped(trainer(L.LightningModule()), "16-mixed")
+    assert "'value'" in not_overlapped(trainer(L.LightningModule(), algorithm="value"), "32-true")

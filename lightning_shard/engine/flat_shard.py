@@ -42,6 +42,7 @@ class ParamSlot:
 
 class FlatShard:
     offloaded = False  # the master shard in host memory, stepped there (engine/offload.py)
+    shard_parameter: type = nn.Parameter  # the class of the shard parameters
 
     def __init__(
         self,
@@ -143,7 +144,7 @@ class FlatShard:
 
     def _make_shard_param(self, slot: ParamSlot) -> nn.Parameter:
         lo, hi = self.shard_range(slot)
-        param = nn.Parameter(self.shard[lo:hi], requires_grad=slot.requires_grad)
+        param = self.shard_parameter(self.shard[lo:hi], requires_grad=slot.requires_grad)
         if slot.requires_grad:
             _refuse_autograd_grads(param, slot)
         return param

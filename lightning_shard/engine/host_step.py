@@ -29,26 +29,22 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
+from torch.optim.optimizer import _global_optimizer_pre_hooks
 
+from lightning_shard.engine.host_step_state import (
+    Backup,
+    copy_state,
+    outside_params,
+    same,
+    same_options,
+    written_outside,
+)
 from lightning_shard.engine.host_worker import HostWorker
 from lightning_shard.engine.optimizer_step import _raw_step
 from lightning_shard.engine.step_plan import params_key
 from lightning_shard.engine.unit import Unit
 
 SPECULATIVE_SHARE = 0.5  # at most this share of the optimizer's elements stepped before the decision (backed up)
-
-
-@dataclass(eq=False)
-class _Backup:
-    """A unit's master shard and optimizer state before a speculative step."""
-
-    shard: Tensor
-    states: dict[nn.Parameter, Optional[dict]]
-
-    @property
-    def nbytes(self) -> int:
-        tensors = [self.shard] + [v for s in self.states.values() if s for v in s.values() if isinstance(v, Tensor)]
-        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 @dataclass(eq=False)
@@ -65,8 +61,9 @@ class _Arming:
     budget: int  # elements that may still be stepped speculatively
     queued: set[int] = field(default_factory=set)  # units given to the worker to step
     stepped: dict[int, list[tuple[nn.Parameter, Optional[Tensor], int]]] = field(default_factory=dict)
-    backups: dict[int, _Backup] = field(default_factory=dict)
+    backups: dict[int, Backup] = field(default_factory=dict)
     decided: bool = False
+    clip_asked: bool = False  # the clipping armed for was asked for (clipped())
     landings: int = 0  # gradients taken to land in .grad
     clip_total: Optional[Tensor] = None  # the norm the decision found (what the clipping call returns)
 
@@ -91,10 +88,13 @@ class HostStepper:
     # -- arming (the host, before the backward) -----------------------------------------------------
     def arm(self, step: Any, clip: Optional[tuple[float, float]], decides: bool) -> bool:
         """Overlap the next backward with ``step``'s optimizer step; False where it cannot (a parameter outside the
-        offloaded units, an optimizer stepping whole parameters), and the step stays as it is."""
+        offloaded units, an optimizer stepping whole parameters, step pre-hooks: they run at ``optimizer.step()``, after
+        the units were stepped), and the step stays as it is."""
         self.disarm()
         optimizer: Optimizer = step.optimizer
         if step.whole or not self.units or not all(unit.storage.offloaded for unit in self.units):
+            return False
+        if optimizer._optimizer_step_pre_hooks or _global_optimizer_pre_hooks:
             return False
         step.agree_on_groups()  # (every rank arms at the same point) the groups the steps will see
         params: dict[int, list[list[nn.Parameter]]] = {}
@@ -120,9 +120,15 @@ class HostStepper:
         return self.armed is not None and self.armed.step is step
 
     def disarm(self) -> None:
-        """Forget an arming whose step never came (a training step that returned no loss); undo what it stepped."""
+        """Forget an arming whose step never came (a training step that returned no loss); undo what it stepped, and
+        raise where that cannot be done."""
         if self.armed is not None:
-            self.cancel()
+            lost = self.cancel()
+            if lost:
+                raise RuntimeError(
+                    "lightning_shard: the overlapped host step (offload) was abandoned before its optimizer step (armed"
+                    f" again, or a failed backward).{_cannot_undo(lost)} Or set offload_overlap=False for steps that"
+                    " can be abandoned.")
 
     # -- during backward ----------------------------------------------------------------------------
     def take(self, unit: Unit, reduced: Tensor, used: list[int]) -> bool:
@@ -133,10 +139,11 @@ class HostStepper:
         if armed is None or index not in armed.params:
             return False
         if armed.decided:
-            self.cancel()
+            lost = self.cancel()
             raise RuntimeError(
                 "lightning_shard: a second backward after the one armed for the overlapped host step (offload): its"
-                " steps used the first backward's gradients. Arm before the last backward of a step only.")
+                f" steps used the first backward's gradients.{_cannot_undo(lost)} Arm before the last backward of a"
+                " step only.")
         storage = unit.storage
         if not set(used) >= set(storage.trainable):
             return False
@@ -177,7 +184,7 @@ class HostStepper:
             return
         if nonfinite and nonfinite() is not None:
             self.speculate = False
-            self.cancel()
+            self.disarm()  # (every step taken before the decision was backed up)
             return
         changed = False
         if armed.clip is not None:
@@ -212,13 +219,14 @@ class HostStepper:
         shards = [armed.step.shard_of(p) for p in parameters]
         if (armed.clip is None or not armed.decided or (float(max_norm), float(norm_type)) != armed.clip
                 or [id(p) for p in shards] != [id(p) for p in optimizer_params]):
-            self.cancel()
+            lost = self.cancel()
             raise RuntimeError(
                 "lightning_shard: gradient clipping other than the one the overlapped host step was armed for"
                 f" (offload; armed: {armed.clip}, asked: max_norm={max_norm}, norm_type={norm_type}, over"
-                f" {len(parameters)} parameters): the optimizer's steps may have begun with other gradients. Clip by"
-                " norm over the optimizer's parameters with Trainer(gradient_clip_val=...), or set"
-                " offload_overlap=False.")
+                f" {len(parameters)} parameters): the optimizer's steps may have begun with other gradients."
+                f"{_cannot_undo(lost)} Clip by norm over the optimizer's parameters with"
+                " Trainer(gradient_clip_val=...), or set offload_overlap=False.")
+        armed.clip_asked = True
         return armed.clip_total
 
     # -- the optimizer's step (the host) ------------------------------------------------------------
@@ -237,32 +245,32 @@ class HostStepper:
             self.cancel()
             raise
         if problem is not None:
-            self.cancel()
+            lost = self.cancel()
             raise RuntimeError(
                 f"lightning_shard: {problem} between the backward and the optimizer step, after the overlapped host"
-                " step (offload) had stepped with what was there before. Change gradients, param groups and"
-                " hyperparameters before the backward (or in the optimizer's closure), or set offload_overlap=False.")
+                f" step (offload) had stepped with what was there before.{_cannot_undo(lost)} Change gradients, param"
+                " groups and hyperparameters before the backward (or in the optimizer's closure), or set"
+                " offload_overlap=False.")
         self._drop_backups(armed)
         self.armed = None
         self.overlapped_steps += 1
         return True
 
-    def cancel(self) -> None:
-        """Drop the arming: what was stepped speculatively is undone; a step taken without a backup raises."""
+    def cancel(self) -> list[str]:
+        """Drop the arming: what was stepped speculatively is undone. Returns the units stepped without a backup,
+        which cannot be (for the caller's error to say so: an error of its own, or the one on its way, is what the
+        user must see). Raises an error of the worker's not raised yet."""
         armed, self.armed = self.armed, None
         if armed is None:
-            return
+            return []
         self._worker.pause()  # (the steps not started are dropped with it)
         try:
             lost = [self._by_index[i].name for i in armed.stepped if i not in armed.backups]
             self._undo_speculation(armed)
         finally:
             self._worker.resume()
-        if lost:
-            raise RuntimeError(
-                f"lightning_shard: the overlapped host step (offload) had stepped units {lost[:4]} when its optimizer"
-                " step was abandoned (a failed backward, a second backward); that cannot be undone. Resume from a"
-                " checkpoint, or set offload_overlap=False for steps that can be abandoned.")
+        self._worker.raise_error()
+        return lost
 
     def abandon(self) -> None:
         """A backward failed (and is being recovered from): what the worker did with its gradients cannot be told
@@ -271,12 +279,12 @@ class HostStepper:
         if armed is None:
             return
         landed = armed.landings
-        self.cancel()
+        lost = self.cancel()
         if landed:
             raise RuntimeError(
                 "lightning_shard: a backward failed after offload's overlapped host step had taken some of its"
-                " gradients into `.grad`; they cannot be taken out again. Resume from a checkpoint, or set"
-                " offload_overlap=False to recover from failed backwards.")
+                f" gradients into `.grad`; they cannot be taken out again.{_cannot_undo(lost)} Resume from a"
+                " checkpoint, or set offload_overlap=False to recover from failed backwards.")
 
     # -- the worker's side --------------------------------------------------------------------------
     def _queue(self, armed: _Arming, index: int, backup: bool = False) -> None:
@@ -292,15 +300,26 @@ class HostStepper:
             return
         if backup:
             self.speculative_units += 1
-            saved = _Backup(unit.storage.shard.clone(), {p: _copy_state(optimizer.state.get(p)) for p in params})
+            saved = Backup(unit.storage.shard.clone(), {p: copy_state(optimizer.state.get(p)) for p in params})
             armed.backups[index] = saved
             self.backup_bytes += saved.nbytes
             self.peak_backup_bytes = max(self.peak_backup_bytes, self.backup_bytes)
         armed.stepped[index] = [(p, p.grad, p.grad._version if p.grad is not None else -1) for p in params]
         shadow = object.__new__(type(optimizer))  # the optimizer over this unit's parameters alone
         shadow.__dict__.update(optimizer.__dict__)
-        shadow.param_groups = [{**options, "params": ps} for options, ps in zip(armed.shadow, per_group) if ps]
+        groups = [g for g, ps in enumerate(per_group) if ps]
+        shadow.param_groups = [{**armed.shadow[g], "params": per_group[g]} for g in groups]
+        before, state_before = dict(shadow.__dict__), outside_params(optimizer.state)
         _raw_step(optimizer)(shadow)
+        written = written_outside(shadow, before, groups, armed.shadow, state_before)
+        written += [f"the gradient of {armed.step.names.get(id(p), 'a parameter')!r}"
+                    for p, grad, version in armed.stepped[index] if grad is not None and grad._version != version]
+        if written:
+            raise RuntimeError(
+                f"lightning_shard: {type(optimizer).__name__}'s step wrote outside its parameters' state"
+                f" ({written[:4]}): offload's overlapped step runs it once per unit, and again where clipping redoes a"
+                " step, so it would write that more than once. Keep such state in optimizer.state[param] (and the"
+                " gradients as they are), or set offload_overlap=False.")
         unit.storage.stage_after_step(self._copy_stream)
 
     def _undo_speculation(self, armed: _Arming) -> None:
@@ -330,12 +349,14 @@ class HostStepper:
 
     def _changed_since(self, armed: _Arming) -> Optional[str]:
         optimizer = armed.step.optimizer
+        if armed.clip is not None and not armed.clip_asked:
+            return f"no clipping was asked for, though the step was armed for max_norm={armed.clip[0]} (and clipped)"
         if params_key(optimizer) != armed.key:
             return "the optimizer's param groups changed"
         for options, group in zip(armed.options, optimizer.param_groups):
             now = {k: v for k, v in group.items() if k != "params"}
-            if not _same_options(options, now):
-                return f"a param group's options changed ({sorted(k for k in now if not _same(now[k], options.get(k)))})"
+            if not same_options(options, now):
+                return f"a param group's options changed ({sorted(k for k in now if not same(now[k], options.get(k)))})"
         for index, read in armed.stepped.items():
             for param, grad, version in read:
                 if param.grad is not grad or (grad is not None and grad._version != version):
@@ -343,20 +364,6 @@ class HostStepper:
         return None
 
 
-def _copy_state(state: Optional[dict]) -> Optional[dict]:
-    if not state:
-        return None
-    return {k: v.clone() if isinstance(v, Tensor) else v for k, v in state.items()}
+def _cannot_undo(lost: list[str]) -> str:
+    return f" Units {lost[:4]} were stepped already, which cannot be undone." if lost else ""
 
-
-def _same_options(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-
-
-def _same(a: object, b: object) -> bool:
-    if isinstance(a, Tensor) or isinstance(b, Tensor):
-        return isinstance(a, Tensor) and isinstance(b, Tensor) and a.shape == b.shape and bool(torch.equal(a, b))
-    try:
-        return bool(a == b)
-    except Exception:  # noqa: BLE001 - values that do not compare: the same object or not
-        return a is b

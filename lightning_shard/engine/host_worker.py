@@ -44,13 +44,16 @@ class HostWorker:
     def _next(self) -> Callable[[], None]:
         """(Under the lock, something to do.) Landings arrive in order: the first one tells."""
         steps = self._steps and not self._paused
-        if self._lands and (not steps or self._lands[0][1]()):
+        if self._lands and (not steps or _arrived(self._lands[0][1])):
             return self._lands.popleft()[0]
         return self._steps.popleft()
 
     def _run(self) -> None:
-        if self.device.type == "cuda" and self.device.index is not None:
-            torch.cuda.set_device(self.device)  # per thread: the rank's device, not device 0
+        try:
+            if self.device.type == "cuda" and self.device.index is not None:
+                torch.cuda.set_device(self.device)  # per thread: the rank's device, not device 0
+        except BaseException as err:  # noqa: BLE001 - re-raised on the host's thread (nothing runs after it)
+            self._error = err
         while True:
             with self._cond:
                 while not (self._lands or (self._steps and not self._paused)):
@@ -77,13 +80,13 @@ class HostWorker:
         self.raise_error()
 
     def pause(self) -> list[Callable[[], None]]:
-        """Stop taking steps; once the one running (if any) is done, return those not started (taken off)."""
+        """Stop taking steps; once the one running (if any) is done, return those not started (taken off). An error
+        of the worker's is left for the next :meth:`wait` or :meth:`raise_error` (after the caller's undo)."""
         with self._cond:
             self._paused = True
             while self._busy or self._lands:
                 self._cond.wait()
             left, self._steps = list(self._steps), deque()
-        self.raise_error()
         return left
 
     def resume(self) -> None:
@@ -95,3 +98,13 @@ class HostWorker:
         error, self._error = self._error, None
         if error is not None:
             raise error
+
+
+def _arrived(ready: Callable[[], bool]) -> bool:
+    """Whether a landing's copy has arrived; True where asking fails (a CUDA error): the landing runs, and its own wait
+    for the copy raises the error where the worker catches it. Raised here, it ended the thread, and the host waited
+    for it forever."""
+    try:
+        return ready()
+    except Exception:  # noqa: BLE001 - raised again by the landing
+        return True

@@ -15,9 +15,10 @@ Note: the host-to-device copies read a pinned *staging* copy of the shard in the
 half the bytes over PCIe under bf16), never the master shard itself: the optimizer writes the master while copies
 may still be queued, whereas the staging copy is rewritten only after its last copy has landed. It is rewritten
 from the master at the first gather of every step (whatever wrote the shards between steps: the optimizer, a load,
-a callback's ``p.data.clamp_()``; unless ``restage_each_step`` is off, where the overlapped step made it and nothing
-of the user's runs between steps), after every optimizer step (a second forward in the same step), and whenever
-the shard's version counter moved. Not counted on: fused optimizers and ``.data`` writes leave the counter alone.
+a callback's ``p.data.clamp_()``; unless ``restage_each_step`` is off, where the overlapped step made it and no hook
+of the user's runs between steps), after every optimizer step (a second forward in the same step), whenever the
+shard's version counter moved, and whenever a shard parameter's ``.data`` was touched. Not counted on: fused
+optimizers and ``.data`` writes leave the counter alone.
 
 On a CPU run the "device" is the host: the same code runs with plain host copies, which changes nothing for memory
 but lets the host-step path be tested without a GPU.
@@ -25,11 +26,12 @@ but lets the host-step path be tested without a GPU.
 
 from __future__ import annotations
 
+import weakref
 from contextlib import nullcontext
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_shard.engine.flat_shard import FlatShard, ParamSlot
 from lightning_shard.engine.fused_default import fused_kernels_on
@@ -77,6 +79,30 @@ class _Landed:
             self._event = None
 
 
+class _HostShardParameter(nn.Parameter):
+    """An offloaded unit's shard parameter (the master, between steps): ``.data``, read or set, makes the unit's
+    copies for the device stale, as an in-place write's version bump does (a write through ``.data`` bumps none).
+    The overlapped step reuses the copies it made (``restage_each_step`` off): a weight constraint written through
+    ``.data`` in ``training_step``, before the forward, must reach that forward (WGAN's clipping)."""
+
+    _host_shard: Callable[[], Optional["HostShard"]]
+
+    @property  # type: ignore[override]
+    def data(self) -> Tensor:
+        self._copies_stale()
+        return Tensor.data.__get__(self)
+
+    @data.setter
+    def data(self, value: Tensor) -> None:
+        self._copies_stale()
+        Tensor.data.__set__(self, value)
+
+    def _copies_stale(self) -> None:
+        storage = self._host_shard()
+        if storage is not None:
+            storage.forget_staging()
+
+
 class HostShard(FlatShard):
     """A :class:`FlatShard` whose master shard (and so the shard parameters, their gradients and the optimizer's
     state) lives in host memory; ``keep_on_device``: the compute-dtype shard stays on the device between steps."""
@@ -86,6 +112,8 @@ class HostShard(FlatShard):
     def __init__(self, slots: list[ParamSlot], flat: Tensor, rank: int, world_size: int,
                  param_dtype: Optional[torch.dtype] = None, *, keep_on_device: bool) -> None:
         self.pinned = flat.device.type == "cuda"  # page-locked host memory, where a GPU copies from and to it
+        # the storage in a class attribute, one class per unit: an attribute of the tensor would be pickled with it
+        self.shard_parameter = type("HostShardParameter", (_HostShardParameter,), {"_host_shard": weakref.ref(self)})
         super().__init__(slots, flat, rank, world_size, param_dtype)
         self.keep_on_device = keep_on_device
         self._staging = torch.empty(self.shard_numel, dtype=self.param_dtype, pin_memory=self.pinned)
@@ -111,7 +139,8 @@ class HostShard(FlatShard):
         self._stale = True
 
     def forget_staging(self) -> None:
-        """The shard was written again after :meth:`stage_after_step` (a speculative step undone)."""
+        """The shard was written again after :meth:`stage_after_step` (a speculative step undone), or may have been
+        (a shard parameter's ``.data``)."""
         self._staged_by_step = False
         self._stale = True
 

@@ -345,8 +345,13 @@ class ShardStrategy(ProcessGroupMixin, EvaluationHold, CheckpointState, Parallel
         return self.runtime.run_step(step, *args, **kwargs)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        arm_for_step(self, self._stepping)
         return self._run_step(super().training_step, *args, **kwargs)
+
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+        # armed at the loss's backward, not as the training step begins: what the step did before (a learning rate
+        # set, a gradient penalty's own backward) is what the serial step would see too
+        arm_for_step(self, self._stepping)
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._run_step(super().validation_step, *args, **kwargs)

@@ -1,0 +1,70 @@
+"""What one unit's step by offload's overlapped step (host_step.py) reads and writes besides its parameters: the backup
+of its master shard and optimizer state taken before a speculative step, and what the optimizer wrote elsewhere.
+
+The overlapped step runs the user's optimizer once per unit, on that unit's parameters alone: the same numbers as
+one call over every parameter only where the optimizer keeps all its state under its parameters
+(``optimizer.state[param]``). A step count kept in the param group (timm's Adan) or in ``optimizer.state["k"]``
+(MADGRAD's) would be advanced once per unit, and gradients written in place would be written again by a step redone
+after clipping: :func:`written_outside` finds the former (host_step.py the latter), and the step refuses them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+
+
+@dataclass(eq=False)
+class Backup:
+    """A unit's master shard and optimizer state before a speculative step."""
+
+    shard: Tensor
+    states: dict[nn.Parameter, Optional[dict]]
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [self.shard] + [v for s in self.states.values() if s for v in s.values() if isinstance(v, Tensor)]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def copy_state(state: Optional[dict]) -> Optional[dict]:
+    if not state:
+        return None
+    return {k: v.clone() if isinstance(v, Tensor) else v for k, v in state.items()}
+
+
+def outside_params(state: dict) -> dict:
+    """The optimizer's state not kept under a parameter (``optimizer.state["k"]``), copied."""
+    return {key: value.clone() if isinstance(value, Tensor) else value for key, value in state.items()
+            if not isinstance(key, Tensor)}
+
+
+def written_outside(shadow: Any, before: dict, groups: list[int], options: list[dict], state_before: dict) -> list[str]:
+    """What a unit's step wrote outside its parameters' state: the options of its param groups (``groups``: their
+    indices, ``options``: every group's options as the step began), the optimizer's attributes (``before``: its
+    ``__dict__`` then) and its state not kept under a parameter (``state_before``: :func:`outside_params` then)."""
+    written = [f"param group {g}'s {key!r}" for g, group in zip(groups, shadow.param_groups)
+               for key, value in group.items()
+               if key != "params" and (key not in options[g] or not same(value, options[g][key]))]
+    written += [f"attribute {key!r}" for key, value in shadow.__dict__.items() if key != "param_groups"
+                and (key not in before or not (value is before[key] or same(value, before[key])))]
+    state_now = outside_params(shadow.state)
+    written += [f"optimizer.state[{key!r}]" for key in state_now.keys() | state_before.keys()
+                if key not in state_now or key not in state_before or not same(state_now[key], state_before[key])]
+    return written
+
+
+def same_options(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+
+
+def same(a: object, b: object) -> bool:
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return isinstance(a, Tensor) and isinstance(b, Tensor) and a.shape == b.shape and bool(torch.equal(a, b))
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - values that do not compare: the same object or not
+        return a is b
