@@ -18,15 +18,12 @@ from __future__ import annotations
 
 import sys
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.optim import Optimizer
 from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-if TYPE_CHECKING:
-    from lightning_shard.engine.hooks import ShardRuntime
 
 # the frames of torch.amp.GradScaler that call `optimizer.step()` (ShardedGradScaler inherits them)
 _SCALER_STEPS = (torch.amp.GradScaler.step.__code__, torch.amp.GradScaler._maybe_opt_step.__code__)
@@ -35,7 +32,7 @@ _SCALER_STEPS = (torch.amp.GradScaler.step.__code__, torch.amp.GradScaler._maybe
 class StepWatch:
     """The runtime's step pre-hook. Holds the runtime weakly: a model dropped takes its hook with it."""
 
-    def __init__(self, runtime: "ShardRuntime") -> None:
+    def __init__(self, runtime: Any) -> None:  # the ShardRuntime (hooks.py), which holds this
         self._runtime = weakref.ref(runtime)
         self._ours = {id(p) for unit in runtime.units
                       for p in (*unit.storage.shard_params, *unit.storage.gathered_params)}

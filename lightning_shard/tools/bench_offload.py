@@ -22,6 +22,7 @@ peak; the first and last losses.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pickle
 import statistics
@@ -197,7 +198,7 @@ def main(argv=None) -> None:
                             "master_on_host_gib": nan, "losses": []})
         # the figures at once: a run stopped before the table still says what the finished ones measured
         shown = {k: v for k, v in results[-1].items() if k != "losses"}
-        print(f"{config} done in {time.perf_counter() - start:.0f} s: {shown}", flush=True)
+        print(f"{config} done in {time.perf_counter() - start:.0f} s: {json.dumps(shown)}", flush=True)
     print(table(args.model, results))
 
 
