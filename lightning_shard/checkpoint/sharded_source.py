@@ -2,12 +2,13 @@
 ``on_load_checkpoint`` maps each name the checkpoint holds to a stand-in of its tensor, read only when the model
 state is restored, each rank its own slices. As with a loaded state dict, a hook may rename keys (a refactored
 module), drop them (a head trained anew) or put a whole tensor in a key's place, in place or in a new dict of the
-stand-ins; a stand-in's values cannot be read there, and saying so is this module's other job.
+stand-ins; a stand-in's values cannot be read there (saying so is this module's other job). Loading then takes the
+stand-ins from the directory under their saved names and the whole tensors from memory.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping, Set as AbstractSet
 from pathlib import Path
 from typing import Any, Optional
 
@@ -15,6 +16,9 @@ from torch import Tensor
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from lightning_shard.checkpoint import sharded
+from lightning_shard.checkpoint.files import CheckpointError
+from lightning_shard.checkpoint.full import load_full_state_dict
+from lightning_shard.engine.hooks import ShardRuntime
 
 
 class SavedTensor:
@@ -99,3 +103,19 @@ def sharded_source(state: Any) -> Optional[ShardedSource]:
             raise TypeError(f"lightning_shard: `checkpoint['state_dict'][{key!r}]` is a {type(value).__name__}; give"
                             " it a tensor of the checkpoint (as read from it) or a whole tensor.")
     return source
+
+
+def load_model_source(runtime: ShardRuntime, source: ShardedSource, strict: bool = True,
+                      absent: AbstractSet[str] = frozenset()) -> None:
+    """Load the model state as the hooks left it: each stand-in from the directory under its saved name, each whole
+    tensor given in a stand-in's place from memory, each rank its own slices. ``absent``: as
+    :func:`sharded.check_model_matches`'s."""
+    names, given = source.split()
+    unknown = sorted(set(given).difference(sharded.model_shapes(runtime)))
+    if strict and unknown:
+        raise CheckpointError(f"`on_load_checkpoint` put tensors under names the model does not have: {unknown[:8]}."
+                              " (Pass strict=False / `strict_loading = False` to load the rest.)")
+    sharded.load_model_state(runtime, source.directory, source.metadata, strict=strict, absent=set(absent) | set(given),
+                             prefix=source.prefix, names=names)
+    if given:
+        load_full_state_dict(runtime, given, strict=False)

@@ -28,7 +28,7 @@ from lightning_shard.checkpoint.export_checkpoint import RECORD, describe_pretra
 from lightning_shard.checkpoint.files import CheckpointError
 from lightning_shard.checkpoint.fingerprint import check_fingerprints, fingerprints, frozen_names
 from lightning_shard.checkpoint.io import open_checkpoint, save_full, save_sharded
-from lightning_shard.checkpoint.sharded_source import sharded_source
+from lightning_shard.checkpoint.sharded_source import load_model_source, sharded_source
 from lightning_shard.engine.averaging import AveragedShards
 from lightning_shard.engine.hooks import ShardRuntime
 from lightning_shard.lightning.finetuning import readd_finetuning_groups
@@ -133,11 +133,7 @@ class CheckpointState:
         left_out = set(record.get("left_out", ()))
         source = sharded_source(checkpoint["state_dict"])  # (renamed or pruned by on_load_checkpoint, maybe)
         if source is not None:
-            names, given = source.split()
-            sharded.load_model_state(self.runtime, source.directory, source.metadata, strict=strict,
-                                     absent=left_out | set(given), prefix=source.prefix, names=names)
-            if given:  # whole tensors on_load_checkpoint put in the place of some
-                load_full_state_dict(self.runtime, given, strict=False)
+            load_model_source(self.runtime, source, strict=strict, absent=left_out)
         else:
             load_full_state_dict(self.runtime, checkpoint["state_dict"], strict=strict, absent=left_out)
         if record.get("fingerprints"):
