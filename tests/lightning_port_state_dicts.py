@@ -121,13 +121,19 @@ def checkpoint_hooks_edit_state_dict(rank: int, world: int, root: Path) -> dict:
 
 
 class GrownNet(BoringNet):
-    """A module that gained a layer (``extra``) or lost one since its checkpoint was saved."""
+    """A module that gained a layer (``extra``) or lost one since its checkpoint was saved; ``planted``: its
+    ``on_load_checkpoint`` puts a tensor under a name it does not have."""
 
-    def __init__(self, extra: bool, strict: Optional[bool]) -> None:
+    def __init__(self, extra: bool, strict: Optional[bool], planted: bool = False) -> None:
         super().__init__()
         self.extra = nn.Linear(2, 2) if extra else None
+        self.planted = planted
         if strict is not None:
             self.strict_loading = strict
+
+    def on_load_checkpoint(self, checkpoint):
+        if self.planted:
+            checkpoint["state_dict"]["nowhere.weight"] = torch.zeros(2)
 
     def forward(self, x):
         out = self.layer(x)
@@ -137,8 +143,9 @@ class GrownNet(BoringNet):
 @scenario
 def strict_loading(rank: int, world: int, root: Path) -> dict:
     """test_checkpoint_connector.py ``test_strict_loading`` (the module's ``strict_loading`` reaches the strategy's
-    ``load_model_state_dict``): a checkpoint missing a key, and one with a key the module lacks, strict and not; what
-    each strategy raised, and, where it loaded, the values (ddp's)."""
+    ``load_model_state_dict``): a checkpoint missing a key, one with a key the module lacks, and a tensor
+    ``on_load_checkpoint`` put under a name the module lacks, strict and not; what each strategy raised, and, where it
+    loaded, the values (ddp's)."""
     out: dict[str, dict] = {}
     for name in ("ddp", "sharded", "full"):
         for saved_extra in (False, True):
@@ -147,16 +154,19 @@ def strict_loading(rank: int, world: int, root: Path) -> dict:
             t.fit(GrownNet(saved_extra, None), loader(1))
             path = broadcast_path(root / name / f"{saved_extra}.ckpt")
             t.save_checkpoint(path, weights_only=True)
-            for strict in (None, False):
+            for strict, planted in ((None, False), (False, False), (None, True), (False, True)):
+                if planted and not saved_extra:
+                    continue
                 torch.manual_seed(1)
-                model = GrownNet(not saved_extra, strict)
+                model = GrownNet(saved_extra, strict, planted) if planted else GrownNet(not saved_extra, strict)
                 t = trainer("ddp" if name == "ddp" else shard(), root / name, barebones=True)
                 try:
                     t.validate(model, loader(2), ckpt_path=path, verbose=False)
                     result = state_of(t)
                 except Exception as err:  # noqa: BLE001
                     result = type(err).__name__ + ": " + str(err).splitlines()[0]
-                out.setdefault(name, {})[f"saved_extra={saved_extra}, strict={strict}"] = result
+                case = f"saved_extra={saved_extra}, strict={strict}" + (", planted" if planted else "")
+                out.setdefault(name, {})[case] = result
     for kind in ("sharded", "full"):
         for case, expected in out["ddp"].items():
             ours = out[kind][case]

@@ -62,6 +62,8 @@ def test_what_the_module_does_to_its_checkpoints(tmp_path):
             "loaded"
         assert "extra.weight" in strict[kind]["saved_extra=False, strict=None"]
         assert "extra.weight" in strict[kind]["saved_extra=True, strict=None"]
+        assert "nowhere.weight" in strict[kind]["saved_extra=True, strict=None, planted"]
+        assert strict[kind]["saved_extra=True, strict=False, planted"] == "loaded"
 
 
 def test_building_the_model(tmp_path):
