@@ -12,16 +12,15 @@ slicing, a full file through a memory map.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import Metadata
 
 from lightning_shard.checkpoint import files
 from lightning_shard.checkpoint import sharded
+from lightning_shard.checkpoint.sharded_source import ShardedSource
 from lightning_shard.engine.collectives import from_every_rank
 
 STATE_DICT_TYPES = ("sharded", "full")
@@ -32,15 +31,6 @@ def validate_state_dict_type(value: object) -> str:
     if value not in STATE_DICT_TYPES:
         raise ValueError(f"`state_dict_type` must be one of {', '.join(map(repr, STATE_DICT_TYPES))}; got {value!r}.")
     return value  # type: ignore[return-value]
-
-
-@dataclass
-class ShardedSource:
-    """Stands in for a model state of a checkpoint opened from a directory; loading reads from it."""
-
-    directory: Path
-    metadata: Metadata
-    prefix: str = sharded.MODEL_PREFIX  # which model state: ``state_dict`` or ``current_model_state``
 
 
 def save_sharded(checkpoint: dict[str, Any], path: Path, group: Optional[dist.ProcessGroup] = None) -> None:

@@ -17,7 +17,7 @@ ranks loads on M ranks under another unit policy, each rank reading only the sli
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator, Set as AbstractSet
+from collections.abc import Iterator, Mapping, Set as AbstractSet
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -25,7 +25,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.optim import Optimizer
@@ -94,7 +94,37 @@ def model_state(runtime: ShardRuntime, skip: AbstractSet[str] = frozenset(),
         with average.swapped(shards=False):  # its buffers under their state-dict keys (hooks and all), rank 0's
             runtime.sync_buffers()
             items.update({k: v.clone() if isinstance(v, Tensor) else v for k, v in _buffers(runtime).items()})
-    return items
+    order = {name: i for i, name in enumerate(_state_order(runtime.root))}  # the unsharded module's key order
+    return dict(sorted(items.items(), key=lambda item: order.get(item[0], len(order))))
+
+
+def _state_order(root: nn.Module) -> Iterator[str]:
+    """The names ``nn.Module.state_dict`` gives, in its order: each module's parameters, then its persistent
+    buffers, then its children's."""
+    for prefix, module in root.named_modules(remove_duplicate=False):
+        dot = prefix + "." if prefix else ""
+        yield from (dot + name for name, param in module._parameters.items() if param is not None)
+        yield from (dot + name for name, buffer in module._buffers.items()
+                    if buffer is not None and name not in module._non_persistent_buffers_set)
+
+
+def left_out_by_module(runtime: ShardRuntime) -> set[str]:
+    """The names the root module's own ``state_dict`` leaves out: Lightning's documented way of not saving a part
+    (a LightningModule overriding ``state_dict`` to drop its frozen encoder's keys). Names it adds or renames cannot
+    name a parameter's shards: refused, naming them (a full checkpoint takes them as they are)."""
+    root = runtime.root
+    if type(root).state_dict is nn.Module.state_dict:
+        return set()
+    with runtime.plain_state_dict():
+        own, given = list(nn.Module.state_dict(root)), set(root.state_dict())
+    added = sorted(given.difference(own))
+    if added:
+        raise CheckpointError(
+            f"{type(root).__name__}.state_dict() gives keys the module does not have ({_few(added)}): sharded"
+            " checkpoints save each parameter's shards under its own name, and can only leave keys out. Rename"
+            " keys in `on_save_checkpoint` (its `checkpoint['state_dict']` is keyed by name under either format),"
+            " or use ShardStrategy(state_dict_type='full'), whose files hold what your state_dict() returns.")
+    return {name for name in own if name not in given}
 
 
 def model_shapes(runtime: ShardRuntime) -> dict[str, torch.Size]:
@@ -104,9 +134,13 @@ def model_shapes(runtime: ShardRuntime) -> dict[str, torch.Size]:
 
 
 def check_model_matches(metadata: Metadata, runtime: ShardRuntime, where: Path, strict: bool,
-                        absent: AbstractSet[str] = frozenset(), prefix: str = MODEL_PREFIX) -> None:
-    """``absent``: parameters the checkpoint was saved without on purpose (``save_frozen=False``)."""
+                        absent: AbstractSet[str] = frozenset(), prefix: str = MODEL_PREFIX,
+                        names: Optional[Mapping[str, str]] = None) -> None:
+    """``absent``: parameters the checkpoint was saved without on purpose (``save_frozen=False``); ``names``: the
+    model's name of each checkpoint name to load (renamed or left out by ``on_load_checkpoint``), else all as saved."""
     saved = {k[len(prefix):]: md for k, md in metadata.state_dict_metadata.items() if k.startswith(prefix)}
+    if names is not None:
+        saved = {model_name: saved[saved_name] for model_name, saved_name in names.items()}
     expected = {k: v for k, v in model_shapes(runtime).items() if k not in absent}
     wrong = [f"{name!r}: checkpoint {tuple(saved[name].size)}, model {tuple(shape)}"
              for name, shape in expected.items()
@@ -128,11 +162,14 @@ def _few(names: list[str], limit: int = 8) -> str:
 
 @torch.no_grad()
 def load_model_state(runtime: ShardRuntime, directory: Path, metadata: Metadata, strict: bool = True,
-                     absent: AbstractSet[str] = frozenset(), prefix: str = MODEL_PREFIX) -> None:
-    """``prefix``: which of the checkpoint's model states (:data:`MODEL_PREFIX`, :data:`CURRENT_PREFIX`)."""
-    check_model_matches(metadata, runtime, directory, strict, absent, prefix)
-    items = {prefix + k: v for k, v in model_state(runtime).items()}
-    items = {k: v for k, v in items.items() if k in metadata.state_dict_metadata}
+                     absent: AbstractSet[str] = frozenset(), prefix: str = MODEL_PREFIX,
+                     names: Optional[Mapping[str, str]] = None) -> None:
+    """``prefix``: which of the checkpoint's model states (:data:`MODEL_PREFIX`, :data:`CURRENT_PREFIX`); ``names``:
+    as :func:`check_model_matches`'s."""
+    check_model_matches(metadata, runtime, directory, strict, absent, prefix, names)
+    if names is None:
+        names = {k[len(prefix):]: k[len(prefix):] for k in metadata.state_dict_metadata if k.startswith(prefix)}
+    items = {prefix + names[k]: v for k, v in model_state(runtime).items() if k in names}
     _load(items, directory)
     runtime.refresh_gathered()
 

@@ -27,7 +27,8 @@ from lightning_shard.checkpoint.export import save_pretrained
 from lightning_shard.checkpoint.export_checkpoint import RECORD, describe_pretrained
 from lightning_shard.checkpoint.files import CheckpointError
 from lightning_shard.checkpoint.fingerprint import check_fingerprints, fingerprints, frozen_names
-from lightning_shard.checkpoint.io import ShardedSource, open_checkpoint, save_full, save_sharded
+from lightning_shard.checkpoint.io import open_checkpoint, save_full, save_sharded
+from lightning_shard.checkpoint.sharded_source import load_model_source, sharded_source
 from lightning_shard.engine.averaging import AveragedShards
 from lightning_shard.engine.hooks import ShardRuntime
 from lightning_shard.lightning.finetuning import readd_finetuning_groups
@@ -62,15 +63,23 @@ class CheckpointState:
         assert self.runtime is not None
         for optimizer in self.optimizers:  # the first thing a checkpoint asks: the groups agreed (and a fine-tuning
             self.runtime.optimizers.agree_on_groups(optimizer)  # callback's record of them) before the rest is saved
-        if self.state_dict_type == "sharded":
-            return sharded.model_state(self.runtime, skip=self._left_out())
+        if self.state_dict_type == "sharded":  # what the module's own state_dict() leaves out, left out too
+            return _without(sharded.model_state(self.runtime, skip=self._left_out()),
+                            sharded.left_out_by_module(self.runtime))
         return full_state_dict(self.runtime, rank0_only=True, skip=self._left_out())
+
+    def check_module_state_dict(self) -> None:
+        """At a fit's setup: a ``state_dict`` override that sharded checkpoints cannot honour (it adds or renames keys)
+        is refused then, not at the first save."""
+        if self.state_dict_type == "sharded" and self.runtime is not None:
+            sharded.left_out_by_module(self.runtime)
 
     def averaged_state_dict(self, average: AveragedShards) -> dict[str, Any]:
         """:meth:`lightning_module_state_dict` of an average of the model's weights (``ShardedWeightAveraging``)."""
         assert self.runtime is not None
         if self.state_dict_type == "sharded":
-            return sharded.model_state(self.runtime, skip=self._left_out(), average=average)
+            return _without(sharded.model_state(self.runtime, skip=self._left_out(), average=average),
+                            sharded.left_out_by_module(self.runtime))
         with average.swapped():  # copied before the swap back: on the CPU the buffers in it are the model's own
             state = full_state_dict(self.runtime, rank0_only=True, skip=self._left_out())
             return {k: v.clone() if isinstance(v, Tensor) else v for k, v in state.items()}
@@ -122,14 +131,13 @@ class CheckpointState:
         assert self.runtime is not None
         record = checkpoint.get(RECORD, {})
         left_out = set(record.get("left_out", ()))
-        source = checkpoint["state_dict"]
-        if isinstance(source, ShardedSource):
-            sharded.load_model_state(self.runtime, source.directory, source.metadata, strict=strict, absent=left_out,
-                                     prefix=source.prefix)
+        source = sharded_source(checkpoint["state_dict"])  # (renamed or pruned by on_load_checkpoint, maybe)
+        if source is not None:
+            load_model_source(self.runtime, source, strict=strict, absent=left_out)
         else:
-            load_full_state_dict(self.runtime, source, strict=strict, absent=left_out)
+            load_full_state_dict(self.runtime, checkpoint["state_dict"], strict=strict, absent=left_out)
         if record.get("fingerprints"):
-            where = source.directory if isinstance(source, ShardedSource) else "the checkpoint file"
+            where = source.directory if source is not None else "the checkpoint file"
             check_fingerprints(self.runtime, record["fingerprints"], str(where))
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -140,7 +148,7 @@ class CheckpointState:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is not None:
             readd_finetuning_groups(trainer)
-        source, states = checkpoint["state_dict"], checkpoint["optimizer_states"]
+        source, states = sharded_source(checkpoint["state_dict"]), checkpoint["optimizer_states"]
         if len(states) != len(self.optimizers):  # zip() would leave some optimizer as it was built
             raise CheckpointError(
                 f"The checkpoint holds {len(states)} optimizer state(s) and `configure_optimizers` returns"
@@ -148,10 +156,14 @@ class CheckpointState:
                 " weights only (`load_pretrained`, or the LightningModule's `load_state_dict`) and start the"
                 " optimizers afresh.")
         for i, (optimizer, state) in enumerate(zip(self.optimizers, states)):
-            if isinstance(source, ShardedSource):
+            if source is not None:
                 sharded.load_optimizer_state(self.runtime, optimizer, i, state, source.directory, source.metadata)
             else:
                 load_full_optimizer_state_dict(self.runtime, optimizer, state)
+
+
+def _without(state: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    return {k: v for k, v in state.items() if k not in names}
 
 
 def _restore_trainable(runtime: ShardRuntime, trainable: Optional[list[str]]) -> None:

@@ -186,3 +186,22 @@ class ShardPrecision(Precision):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.scaler is not None and state_dict:
             self.scaler.load_state_dict(state_dict)
+
+
+def shard_precision_of(plugin: Optional[Precision]) -> Optional[ShardPrecision]:
+    """The strategy's plugin for the one Lightning gives it. Lightning's plain precision plugins (the ones its
+    ``precision=`` strings make) become a ShardPrecision of the same precision. Any other plugin (a subclass with
+    hooks of its own, ``BitsandbytesPrecision``, another strategy's) would lose what it does in that conversion,
+    silently (a bitsandbytes run trained in fp32): refused, naming it."""
+    from lightning.pytorch.plugins.precision import DoublePrecision, FSDPPrecision, HalfPrecision
+    from lightning.pytorch.plugins.precision import MixedPrecision as LightningMixed
+
+    plain = (Precision, LightningMixed, HalfPrecision, DoublePrecision, FSDPPrecision)
+    if plugin is None or isinstance(plugin, ShardPrecision) or type(plugin) in plain:
+        return ShardPrecision.from_lightning(plugin) if plugin is not None else None
+    raise TypeError(
+        f"lightning_shard: ShardStrategy runs its own precision plugin (ShardPrecision: the dtypes of gathers and"
+        f" reductions, a gradient scaler whose verdict all ranks share, clipping over every shard), so"
+        f" {type(plugin).__name__}'s own behaviour would be lost. Choose the precision with Trainer(precision=...)"
+        f" ({', '.join(map(repr, SUPPORTED_PRECISION))}) or ShardStrategy(mixed_precision=...), or subclass"
+        " lightning_shard.lightning.precision.ShardPrecision and pass it as the Trainer's plugin.")

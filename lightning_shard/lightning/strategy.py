@@ -55,6 +55,7 @@ from lightning_shard.lightning.options import (
 )
 from lightning_shard.lightning.plan_summary import plan_listing, plan_summary
 from lightning_shard.lightning.precision import MixedPrecision, ShardPrecision, validate_mixed_precision
+from lightning_shard.lightning.precision import shard_precision_of
 from lightning_shard.lightning.process_group import ProcessGroupMixin
 from lightning_shard.lightning.summary import summarize_in_full_shapes
 from lightning_shard.memory.estimate import MemoryEstimate
@@ -247,7 +248,7 @@ class ShardStrategy(ProcessGroupMixin, EvaluationHold, CheckpointState, Parallel
 
     @precision_plugin.setter
     def precision_plugin(self, plugin: Optional[Precision]) -> None:
-        self._precision_plugin = ShardPrecision.from_lightning(plugin) if plugin is not None else None
+        self._precision_plugin = shard_precision_of(plugin)
 
     @property
     def comm_stats(self) -> dict[str, float]:
@@ -299,6 +300,7 @@ class ShardStrategy(ProcessGroupMixin, EvaluationHold, CheckpointState, Parallel
             _optimizers_to_device(self.optimizers, self.root_device)
             refuse_weight_averaging(trainer.callbacks)
             refuse_pruning(trainer.callbacks)
+            self.check_module_state_dict()
             summarize_in_full_shapes(trainer.callbacks)
             self.frees_grads_after_step = frees_grads_after_step(trainer, self.free_grads_after_step)
             self.offload_overlap_clip = overlap_clip(trainer, self.precision_plugin.precision,
