@@ -69,7 +69,7 @@ BAD_INPUT = [  # (command, args, what its one line says); all fail before any ra
     (TRAIN, ["trainer.max_steps=foo"], "`trainer.max_steps` must be an integer; got 'foo'"),
     (TRAIN, ["ckpt_path=no_such.ckpt"], "`ckpt_path`: Checkpoint 'no_such.ckpt' does not exist"),
     (TRAIN, ["ckpt_path=not_a.ckpt"], "`ckpt_path`: 'not_a.ckpt' is not a readable torch checkpoint"),
-    ("lightning_shard.tools.bench_offload", ["--offload", "gpu"], "argument --offload: invalid choice: 'gpu'"),
+    ("lightning_shard.tools.bench_offload", ["--offload", "gpu"], "argument --offload: 'gpu': one of none, optimizer,"),
     ("lightning_shard.app.sweep", ["no_such_dir"], "no job of 'no_such_dir' wrote a summary.json"),
 ]
 

@@ -41,6 +41,7 @@ from lightning_shard.engine.host_step_state import (
 )
 from lightning_shard.engine.host_worker import HostWorker
 from lightning_shard.engine.optimizer_step import _raw_step
+from lightning_shard.engine.step_watch import StepWatch
 from lightning_shard.engine.step_plan import params_key
 from lightning_shard.engine.unit import Unit
 
@@ -94,8 +95,9 @@ class HostStepper:
         optimizer: Optimizer = step.optimizer
         if step.whole or not self.units or not all(unit.storage.offloaded for unit in self.units):
             return False
-        if optimizer._optimizer_step_pre_hooks or _global_optimizer_pre_hooks:
-            return False
+        if optimizer._optimizer_step_pre_hooks or any(not isinstance(getattr(hook, "__self__", None), StepWatch)
+                                                      for hook in _global_optimizer_pre_hooks.values()):
+            return False  # (not the runtime's own: it checks at the step what the decision checked already)
         step.agree_on_groups()  # (every rank arms at the same point) the groups the steps will see
         params: dict[int, list[list[nn.Parameter]]] = {}
         groups = optimizer.param_groups
