@@ -153,3 +153,102 @@ def estimate_by_dtype(rank: int, world: int, base: str) -> dict:
     held = sum(u.storage.shard.nbytes for u in runtime.units) + (0 if root.aliases_shard else root.gathered_nbytes)
     return {"planned": planned.as_dict(), "read": read.as_dict(), "held": held, "state": state, "grads": grads,
             "fp32_everything": fp32_everything}
+
+
+# -- QLoRA: 4-bit bases (bitsandbytes) -------------------------------------------------------------------------------
+QUANT_CASES = [(kind, storage, double) for kind in ("nf4", "fp4") for storage in ("uint8", "bfloat16")
+               for double in (True, False)]
+
+
+def qlora_model(base: str, kind: str, storage: str, double: bool):
+    """``from_pretrained`` with bitsandbytes' 4-bit quantization on the CPU, prepared for k-bit training (norms and
+    embeddings in fp32) and given LoRA adapters: QLoRA as the peft docs write it."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import BitsAndBytesConfig, LlamaForCausalLM
+
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=kind, bnb_4bit_compute_dtype=torch.bfloat16,
+                                bnb_4bit_quant_storage=getattr(torch, storage), bnb_4bit_use_double_quant=double)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = LlamaForCausalLM.from_pretrained(base, quantization_config=config, device_map="cpu",
+                                                 dtype=torch.bfloat16)
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    torch.manual_seed(1)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0,
+                      init_lora_weights="gaussian")
+    return get_peft_model(model, lora).train()
+
+
+def _quant_state(model) -> dict[str, torch.Tensor]:
+    """The packed weights and their quantization state, as bitsandbytes writes them into a state dict."""
+    return {k: v.clone() for k, v in model.state_dict().items() if ".base_layer." in k or "_proj.weight" in k}
+
+
+def _one_process_step(model, optimizer, ids: torch.Tensor, world: int) -> float:
+    """One process's step on the global batch, its gradient the mean of the per-rank chunks' (the global loss's: the
+    chunks are equally long): each chunk's forward and backward as a rank runs it. bitsandbytes computes in bf16, and
+    its kernels round differently for another number of rows: a forward of all rows at once would differ from the
+    ranks' by bf16 roundings that AdamW's normalisation turns into 1e-2 on near-zero gradients."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads, losses = [], []
+    for chunk in ids.chunk(world):
+        loss = model(input_ids=chunk, labels=chunk, use_cache=False).loss
+        loss.backward()
+        grads.append([p.grad for p in params])
+        losses.append(float(loss.detach()))
+        for p in params:
+            p.grad = None
+    for p, *per_chunk in zip(params, *grads):
+        total = per_chunk[0] / world
+        for grad in per_chunk[1:]:
+            total = total + grad / world
+        p.grad = total
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return sum(losses) / world
+
+
+def qlora_against_one_process(rank: int, world: int, base: str, cases: list) -> list[dict]:
+    """Per case ``(quant type, storage dtype, double quantization)``: 5 AdamW steps of QLoRA sharded over this world
+    and in one process on the global batch; losses, adapters, and the packed weights with their quantization state
+    (gathered: bitsandbytes' own state-dict entries) of both."""
+    from lightning_shard.engine.shard_module import shard_module
+
+    results = []
+    size = GLOBAL_BATCH // world
+    for kind, storage, double in cases:
+        reference, model = qlora_model(base, kind, storage, double), qlora_model(base, kind, storage, double)
+        before = _quant_state(reference)
+        runtime = shard_module(model, units=["LlamaDecoderLayer"])
+        packed = [type(p).__name__ for u in runtime.units for p in u.storage.gathered_params]
+        # every parameter given to the optimizer, as a plain `AdamW(model.parameters())` does: the frozen packed ones
+        # get no gradient, hence no state and no weight decay
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        runtime.attach_optimizer(optimizer)
+        ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
+        losses, ref_losses = [], []
+        for ids in batches():
+            mine = ids[rank * size : (rank + 1) * size]
+            loss = model(input_ids=mine, labels=mine, use_cache=False).loss
+            loss.backward()
+            graded = [p.dtype for p in model.parameters() if p.grad is not None]
+            runtime.step(optimizer)
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(float(loss.detach()))
+            ref_losses.append(_one_process_step(reference, ref_optimizer, ids, world))
+        everyone = [None] * world
+        dist.all_gather_object(everyone, losses)
+        full = full_state_dict(runtime, rank0_only=False)
+        results.append({
+            "case": (kind, storage, double),
+            "losses": [sum(rank_losses[i] for rank_losses in everyone) / world for i in range(len(losses))],
+            "ref_losses": ref_losses,
+            "adapters": {k: v for k, v in full.items() if "lora_" in k},
+            "ref_adapters": {k: v.detach().clone() for k, v in reference.state_dict().items() if "lora_" in k},
+            "quant": {k: v for k, v in full.items() if k in before}, "quant_keys": sorted(k for k in full if k in before),
+            "ref_quant": _quant_state(reference), "before": before,
+            "gathered_classes": sorted(set(packed)),
+            "stateless": all(p not in optimizer.state for p in model.parameters() if not p.requires_grad),
+            "graded": sorted(set(map(str, graded))),
+        })
+    return results
