@@ -5,6 +5,7 @@ Lightning under ShardStrategy and under DDP on the same per-rank batches."""
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -252,3 +253,67 @@ def qlora_against_one_process(rank: int, world: int, base: str, cases: list) -> 
             "graded": sorted(set(map(str, graded))),
         })
     return results
+
+
+def _sharded_qlora(base: str, case: tuple, seed: int):
+    from lightning_shard.engine.shard_module import shard_module
+
+    torch.manual_seed(seed)
+    model = qlora_model(base, *case)
+    if seed:  # another start: adapters, and packed weights and quantization state overwritten, all to be loaded
+        for name, param in model.named_parameters():
+            if param.requires_grad:
+                torch.nn.init.normal_(param.data)
+            elif type(param).__name__ == "Params4bit":
+                param.data.view(torch.uint8).fill_(0x3C)
+                param.quant_state.absmax.view(torch.uint8).fill_(7)
+    runtime = shard_module(model, units=["LlamaDecoderLayer"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    runtime.attach_optimizer(optimizer)
+    return model, runtime, optimizer
+
+
+def _sharded_steps(model, runtime, optimizer, steps: list[torch.Tensor], rank: int, world: int) -> None:
+    for ids in steps:
+        mine = ids.chunk(world)[rank]
+        model(input_ids=mine, labels=mine, use_cache=False).loss.backward()
+        runtime.step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+
+
+def qlora_save(rank: int, world: int, base: str, case: tuple, path: str) -> dict:
+    """3 steps of QLoRA on this world, then a sharded checkpoint; the full state saved."""
+    from lightning_shard.checkpoint import sharded
+    from lightning_shard.checkpoint.io import save_sharded
+
+    model, runtime, optimizer = _sharded_qlora(base, case, seed=0)
+    _sharded_steps(model, runtime, optimizer, batches()[:3], rank, world)
+    save_sharded({"state_dict": sharded.model_state(runtime),
+                  "optimizer_states": [sharded.optimizer_state(runtime, optimizer)]}, Path(path))
+    return full_state_dict(runtime, rank0_only=False)
+
+
+def qlora_resume(rank: int, world: int, base: str, case: tuple, path: str, saved_world: int) -> dict:
+    """Another start (adapters, packed weights and quantization state all overwritten) resumed from the checkpoint on
+    this world, 2 more steps; and one process doing the same 5 steps uninterrupted (``saved_world`` chunks, then this
+    world's), on rank 0."""
+    from lightning_shard.checkpoint import sharded
+    from lightning_shard.checkpoint.io import open_checkpoint
+
+    model, runtime, optimizer = _sharded_qlora(base, case, seed=5)
+    checkpoint = open_checkpoint(Path(path))
+    source = checkpoint["state_dict"]
+    sharded.load_model_state(runtime, source.directory, source.metadata)
+    sharded.load_optimizer_state(runtime, optimizer, 0, checkpoint["optimizer_states"][0], source.directory,
+                                 source.metadata)
+    loaded = full_state_dict(runtime, rank0_only=False)
+    _sharded_steps(model, runtime, optimizer, batches()[3:], rank, world)
+    resumed = full_state_dict(runtime, rank0_only=False)
+    if rank:
+        return {}
+    reference = qlora_model(base, *case)
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
+    for step, ids in enumerate(batches()):
+        _one_process_step(reference, ref_optimizer, ids, saved_world if step < 3 else world)
+    return {"loaded": loaded, "resumed": resumed, "reference": {k: v.detach().clone()
+                                                                for k, v in reference.state_dict().items()}}
