@@ -10,7 +10,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from torch.utils._pytree import tree_flatten
+
 from lightning_shard.checkpoint.full import full_state_dict
+from lightning_shard.memory.tracker import LiveBytes
 from tests.world import as_lightning_rank
 
 VOCAB = 96
@@ -317,3 +320,86 @@ def qlora_resume(rank: int, world: int, base: str, case: tuple, path: str, saved
         _one_process_step(reference, ref_optimizer, ids, saved_world if step < 3 else world)
     return {"loaded": loaded, "resumed": resumed, "reference": {k: v.detach().clone()
                                                                 for k, v in reference.state_dict().items()}}
+
+
+# -- 4-bit models built on the meta device, loaded by parts ----------------------------------------------------------
+def quantization_config(kind: str, storage: str, double: bool):
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=kind, bnb_4bit_compute_dtype=torch.bfloat16,
+                              bnb_4bit_quant_storage=getattr(torch, storage), bnb_4bit_use_double_quant=double)
+
+
+def write_prequantized(base: str, folder: str, case: tuple) -> None:
+    """A pre-quantized folder as the hub's ``*-bnb-4bit`` models are (from_pretrained quantizing, save_pretrained)."""
+    from transformers import LlamaForCausalLM
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        LlamaForCausalLM.from_pretrained(base, quantization_config=quantization_config(*case), device_map="cpu",
+                                         dtype=torch.bfloat16).save_pretrained(folder)
+
+
+def load_by_parts(rank: int, world: int, base: str, cases: list) -> list[dict]:
+    """Per case ``(quant type, storage, double quantization, folder to load or None for ``base``, peft)``: a 4-bit
+    Llama built on the meta device (transformers' ``replace_with_bnb_linear``, the head left unquantized as
+    from_pretrained leaves it), sharded, then ``load_pretrained``; its full state against from_pretrained quantizing
+    ``base`` in one process, and the rank's peak of live tensors while loading."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+    from transformers.integrations.bitsandbytes import replace_with_bnb_linear
+
+    from lightning_shard.checkpoint.pretrained import load_pretrained
+    from lightning_shard.engine.shard_module import shard_module
+
+    results = []
+    for kind, storage, double, folder, lora in cases:
+        config = quantization_config(kind, storage, double)
+        with torch.device("meta"):
+            model = LlamaForCausalLM(llama_config())
+        model = replace_with_bnb_linear(model, quantization_config=config, modules_to_not_convert=["lm_head"])
+        model = model.to(torch.bfloat16)  # (on meta: the dtype its 4-bit weights dequantize to, as from_pretrained's)
+        if lora:
+            model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+        runtime = shard_module(model, units=["LlamaDecoderLayer"])
+        held = sum(u.storage.shard.nbytes for u in runtime.units)
+        with NewBytes() as live:
+            load_pretrained(model, folder or base)
+        full = full_state_dict(runtime, rank0_only=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            reference = LlamaForCausalLM.from_pretrained(base, quantization_config=config, device_map="cpu",
+                                                         dtype=torch.bfloat16).state_dict()
+        prefix = "base_model.model." if lora else ""
+        mine = {k[len(prefix):].replace(".base_layer.", "."): v for k, v in full.items() if "lora_" not in k}
+        results.append({"keys": sorted(mine) == sorted(reference), "peak": live.peak, "held": held,
+                        "same": [k for k, v in reference.items() if _same_bits(mine.get(k), v)],
+                        "total": len(reference)})
+    return results
+
+
+def _same_bits(a, b) -> bool:
+    if a is None or a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    size = a.element_size()
+    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size]
+    return torch.equal(a.contiguous().view(as_int), b.contiguous().view(as_int))
+
+
+class NewBytes(LiveBytes):
+    """Tensors allocated while it is on, at their peak: new storages only, not views of storages that existed (a rank's
+    shards, written in place; the weights files, memory-mapped, of which a read touches only its slice), nor meta
+    tensors (the names and shapes the load hooks see)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket is torch.ops.aten.set_:  # a tensor over a storage that exists (a mapped file's)
+            return out
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
+                  and t.layout == torch.strided}
+        for tensor in tree_flatten(out)[0]:
+            if (isinstance(tensor, torch.Tensor) and tensor.layout == torch.strided and not tensor.is_meta
+                    and tensor.untyped_storage().data_ptr() not in inputs and tensor._base is None):
+                self._add(tensor)
+        self._sample()
+        return out

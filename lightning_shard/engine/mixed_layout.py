@@ -92,8 +92,8 @@ def mixed_slots(root: nn.Module, plan: Any, param_dtype: Optional[torch.dtype],
         where = tuple((root.get_submodule(m), a) for m, a in locations)
         entries = [(names, where, param.detach(), None)]
         if quantized.is_params4bit(param):
-            spec, states = quantized.describe(param, names[0])
-            entries = [(names, where, param.detach(), spec)]
+            spec, packed, states = quantized.describe(param, names[0])
+            entries = [(names, where, packed, spec)]
             entries += [((spec.state_name(key),), (), tensor.detach(), None) for key, tensor in states]
         for names, where, tensor, spec in entries:
             packed = spec is not None or not where

@@ -62,8 +62,14 @@ class QuantSpec:
         return STATE_KEYS if self.nested else STATE_KEYS[:2]
 
 
-def describe(param: nn.Parameter, name: str) -> tuple[QuantSpec, list[tuple[str, Tensor]]]:
-    """The spec of a quantized ``Params4bit`` and its state's tensors, by state key."""
+def describe(param: nn.Parameter, name: str) -> tuple[QuantSpec, Tensor, list[tuple[str, Tensor]]]:
+    """The spec of a ``Params4bit``, its packed data and its state's tensors by state key. Not quantized yet and on
+    the meta device (a model built there, ``replace_with_bnb_linear``): what quantizing it will make, on meta."""
+    if param.requires_grad:
+        raise ValueError(f"lightning_shard: {name!r} is a packed 4-bit weight with requires_grad=True: packed weights"
+                         " cannot train (train LoRA adapters beside them, peft's QLoRA); freeze it.")
+    if not param.bnb_quantized and param.is_meta:
+        return _planned(param, name, torch.device("meta"))
     state = param.quant_state
     if state is None or not param.bnb_quantized:
         raise ValueError(
@@ -76,16 +82,52 @@ def describe(param: nn.Parameter, name: str) -> tuple[QuantSpec, list[tuple[str,
             f"lightning_shard: {name!r} was repacked by bitsandbytes for CPU inference (an eval-mode forward without"
             " gradients on an AVX512-BF16 CPU), a layout its training kernels do not read. Shard the model before"
             " running it in eval mode (sharded layers never repack).")
-    if param.requires_grad:
-        raise ValueError(f"lightning_shard: {name!r} is a packed 4-bit weight with requires_grad=True: packed weights"
-                         " cannot train (train LoRA adapters beside them, peft's QLoRA); freeze it.")
     spec = QuantSpec(name, state.blocksize, state.quant_type, state.dtype, torch.Size(state.shape),
                      param.data.dtype, *((state.state2.blocksize, state.state2.dtype) if state.nested else ()))
     tensors = [("absmax", state.absmax), ("quant_map", state.code)]
     if state.nested:
         tensors += [("nested_absmax", state.state2.absmax), ("nested_quant_map", state.state2.code),
                     ("nested_offset", state.offset.reshape(1).float())]
-    return spec, tensors
+    return spec, param.detach(), tensors
+
+
+def _planned(param: Any, name: str, device: torch.device) -> tuple[QuantSpec, Tensor, list[tuple[str, Tensor]]]:
+    """What bitsandbytes' quantization of ``param`` (not quantized) makes, as zeros on ``device`` (its code tables
+    as they are): packed values two per byte, one absmax per block (uint8 with double quantization, whose nested
+    state has blocksize 256)."""
+    numel, storage, blocksize = param.numel(), param.quant_storage, param.blocksize or 64
+    packed_bytes = (numel + 1) // 2
+    if packed_bytes % storage.itemsize:
+        raise ValueError(f"lightning_shard: {name!r} ({tuple(param.shape)}) packs into {packed_bytes} bytes, which"
+                         f" {storage} storage cannot hold whole: bitsandbytes could not quantize it either.")
+    nested = bool(param.compress_statistics)
+    spec = QuantSpec(name, blocksize, param.quant_type, param.dtype, torch.Size(param.shape), storage,
+                     *((256, torch.float32) if nested else ()))
+    blocks = -(-numel // blocksize)
+    meta = device.type == "meta"
+    tensors = [("absmax", torch.zeros(blocks, dtype=torch.uint8 if nested else torch.float32, device=device)),
+               ("quant_map", _code(spec.quant_type, device, meta))]
+    if nested:
+        tensors += [("nested_absmax", torch.zeros(-(-blocks // 256), device=device)),
+                    ("nested_quant_map", _code("dynamic", device, meta)), ("nested_offset", torch.zeros(1, device=device))]
+    return spec, torch.zeros(packed_bytes // storage.itemsize, 1, dtype=storage, device=device), tensors
+
+
+def _code(kind: str, device: torch.device, meta: bool) -> Tensor:
+    """bitsandbytes' code table: the 16 values of nf4 or fp4, or the 256 of its dynamic map (nested absmax)."""
+    if meta:
+        return torch.empty(256 if kind == "dynamic" else 16, device=device)
+    from bitsandbytes.functional import create_dynamic_map, get_4bit_type
+
+    return create_dynamic_map().to(device) if kind == "dynamic" else get_4bit_type(kind, device=device)
+
+
+def materialize(param: Any, name: str, module: Optional[nn.Module], device: torch.device) -> Any:
+    """A ``Params4bit`` built on the meta device, made real as its quantization will be, all zeros (its code tables
+    as they are), without its full-precision weight ever existing: ``load_pretrained`` fills it after sharding
+    (quantizing each rank's part of each weight)."""
+    spec, packed, tensors = _planned(param, name, device)
+    return params4bit(packed, spec, dict(tensors), module)
 
 
 def quant_state(spec: QuantSpec, states: dict[str, Tensor]) -> Any:
@@ -146,3 +188,61 @@ def full_parameters(slots: list, values: list[Tensor], requires_grad: list[bool]
         else:
             params.append(params4bit(value, spec, {key: by_name[spec.state_name(key)] for key in spec.keys}))
     return params
+
+
+# -- loading: each rank quantizes its part of a weight ---------------------------------------------------------------
+def quantize_part(values: Tensor, spec: QuantSpec) -> tuple[Tensor, Tensor]:
+    """The packed bytes and the fp32 absmax of a run of whole blocks of a weight (flat, in any float dtype), as
+    bitsandbytes' quantization of the whole weight gives them for those blocks: blockwise quantization is local."""
+    import bitsandbytes  # noqa: F401  (registers its ops)
+
+    packed, absmax = torch.ops.bitsandbytes.quantize_4bit.default(values.to(spec.dtype), spec.blocksize,
+                                                                  spec.quant_type, torch.uint8)
+    return packed.reshape(-1), absmax.float()
+
+
+def state_tensors(absmax: Tensor, spec: QuantSpec) -> dict[str, Tensor]:
+    """The quantization state's tensors of a weight whose fp32 absmax (all its blocks) is ``absmax``: double
+    quantization as bitsandbytes' ``quantize_4bit`` does it (the mean is over every block: it needs them all)."""
+    from bitsandbytes.functional import get_4bit_type, quantize_blockwise
+
+    states = {"absmax": absmax, "quant_map": get_4bit_type(spec.quant_type, device=absmax.device)}
+    if spec.nested:
+        offset = absmax.mean()
+        qabsmax, state2 = quantize_blockwise(absmax - offset, blocksize=spec.nested_blocksize)
+        states.update(absmax=qabsmax, nested_absmax=state2.absmax, nested_quant_map=state2.code,
+                      nested_offset=offset.reshape(1).float())
+    return states
+
+
+def read_blob(blob: Tensor, spec: QuantSpec, source_name: str) -> dict[str, Any]:
+    """The non-tensor quantization state bitsandbytes packs into ``<weight>.quant_state.bitsandbytes__<type>``,
+    checked against the model's: another quantization cannot be loaded into these bytes."""
+    from bitsandbytes.utils import unpack_tensor_to_dict
+
+    saved = unpack_tensor_to_dict(blob)
+    mine = {"quant_type": spec.quant_type, "blocksize": spec.blocksize, "shape": list(spec.shape),
+            "nested_blocksize": spec.nested_blocksize}
+    theirs = {key: (list(value) if key == "shape" else value) for key, value in saved.items() if key in mine}
+    theirs.setdefault("nested_blocksize", None)
+    if theirs != mine:
+        raise ValueError(f"lightning_shard: {source_name!r} was quantized as {theirs}, the model's"
+                         f" {spec.weight!r} as {mine}: quantize the model as the weights were (BitsAndBytesConfig).")
+    return saved
+
+
+def materialize_unit(root: nn.Module, plan: Any, device: torch.device) -> None:
+    """The unit's 4-bit weights built on the meta device, made real (:func:`materialize`) before the rest of the unit
+    is: their full-precision values never exist. Their layers' biases start at zero (an init would read the weight's
+    shape as a float tensor's); ``load_pretrained`` fills both."""
+    for i, (param, locations) in enumerate(plan.params):
+        if not (is_params4bit(param) and param.is_meta and not param.bnb_quantized):
+            continue
+        module = root.get_submodule(locations[0][0])
+        real = materialize(param, ".".join(filter(None, locations[0])), module, device)
+        for name, attr in locations:
+            root.get_submodule(name)._parameters[attr] = real
+        plan.params[i] = (real, locations)
+        bias = getattr(module, "bias", None)
+        if bias is not None and bias.is_meta:
+            module.bias = nn.Parameter(torch.zeros_like(bias, device=device), requires_grad=bias.requires_grad)

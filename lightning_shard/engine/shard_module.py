@@ -22,6 +22,7 @@ from lightning_shard.engine.compile import (
     validate_compile,
     warn_if_compiled_by_user,
 )
+from lightning_shard.engine import quantized
 from lightning_shard.engine.flat_shard import FlatShard, ParamSlot
 from lightning_shard.engine.groups import build_groups, validate_shard_size, validate_sharding
 from lightning_shard.engine.hooks import ShardRuntime
@@ -122,6 +123,7 @@ def shard_module(
     for plan in plans:
         if not plan.params:
             continue
+        quantized.materialize_unit(module, plan, materializer.device)  # (4-bit weights: packed, never full)
         materializer.unit(plan)
         is_root = plan.members == [""]
         members = [module.get_submodule(name) for name in plan.members]
