@@ -4,6 +4,7 @@ Lightning under ShardStrategy and under DDP on the same per-rank batches."""
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 
@@ -403,3 +404,44 @@ class NewBytes(LiveBytes):
                 self._add(tensor)
         self._sample()
         return out
+
+
+def qlora_export(rank: int, world: int, base: str, out: str, case: tuple) -> dict:
+    """QLoRA trained 3 steps sharded, then exported: the adapter (``PeftModel.from_pretrained`` onto a 4-bit base in
+    one process), and merged (4-bit weights dequantized, the adapter merged in, bf16 files) for ``from_pretrained``;
+    against peft in one process: the base dequantized (transformers' ``dequantize()``), the exported adapter loaded
+    onto it, ``merge_and_unload()``. Rank 0's logits and weights."""
+    from peft import PeftModel, prepare_model_for_kbit_training
+    from transformers import LlamaForCausalLM
+
+    from lightning_shard.checkpoint.export import save_pretrained
+
+    model, runtime, optimizer = _sharded_qlora(base, case, seed=0)
+    _sharded_steps(model, runtime, optimizer, batches()[:3], rank, world)
+    ids = batches()[3][:2]
+    with runtime.keep_gathered(), torch.no_grad():
+        sharded = model(input_ids=ids, use_cache=False).logits
+    save_pretrained(model, Path(out) / "adapter")
+    save_pretrained(model, Path(out) / "merged", merged=True, dtype=torch.bfloat16)
+    if rank:
+        return {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        four_bit = prepare_model_for_kbit_training(LlamaForCausalLM.from_pretrained(
+            base, quantization_config=quantization_config(*case), device_map="cpu", dtype=torch.bfloat16),
+            use_gradient_checkpointing=False)  # (as trained: norms and embeddings in fp32)
+        # (train mode, no dropout here: bitsandbytes repacks 4-bit weights for CPU inference in eval mode, which
+        # fails on layers narrower than a block, as these are)
+        adapted = PeftModel.from_pretrained(four_bit, Path(out) / "adapter").train()
+        reference = LlamaForCausalLM.from_pretrained(base, quantization_config=quantization_config(*case),
+                                                     device_map="cpu", dtype=torch.bfloat16)
+        reference.dequantize()
+        reference = PeftModel.from_pretrained(reference, Path(out) / "adapter").merge_and_unload().eval()
+        merged = LlamaForCausalLM.from_pretrained(Path(out) / "merged").eval()
+    with torch.no_grad():
+        logits = {"adapter": adapted(input_ids=ids).logits, "merged": merged(input_ids=ids).logits,
+                  "reference": reference(input_ids=ids).logits}
+    weights = merged.state_dict()
+    return {"sharded": sharded, **logits, "config": json.loads((Path(out) / "merged" / "config.json").read_text()),
+            "differ": [k for k, v in reference.state_dict().items() if not torch.equal(weights[k], v.to(weights[k].dtype))],
+            "dtypes": sorted({str(v.dtype) for v in weights.values()}), "total": len(weights)}

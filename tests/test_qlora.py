@@ -98,3 +98,14 @@ def test_load_pretrained_quantizes_each_ranks_part_as_bitsandbytes_quantizes_the
             # what loading allocates besides the shards it fills: one weight's part at a time (read, cast, quantized:
             # a few bytes per element), never the model (measured: 3.5-6.7 KiB here; the fp32 file is 98 KiB)
             assert r["peak"] <= 20 * (largest // world + config.hidden_size), (case, r["peak"])
+
+
+def test_qlora_exports_an_adapter_and_a_merged_bf16_folder_as_peft_makes_them(base, tmp_path):
+    result = run_world(scenarios.qlora_export, 2, str(base), str(tmp_path), ("nf4", "bfloat16", True), timeout=400)[0]
+    # the adapter onto a 4-bit base in one process (PeftModel.from_pretrained): the sharded model's logits, exactly
+    assert torch.equal(result["adapter"], result["sharded"])
+    # merged: 4-bit weights dequantized, the adapter merged in, bf16 files from_pretrained loads without
+    # bitsandbytes; every weight and the logits those of peft merging onto the dequantized base in one process
+    assert result["differ"] == [] and result["total"] == 21 and result["dtypes"] == ["torch.bfloat16"]
+    assert torch.equal(result["merged"], result["reference"])
+    assert "quantization_config" not in result["config"] and result["config"]["dtype"] == "bfloat16"
