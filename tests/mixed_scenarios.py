@@ -165,7 +165,7 @@ QUANT_CASES = [(kind, storage, double) for kind in ("nf4", "fp4") for storage in
                for double in (True, False)]
 
 
-def qlora_model(base: str, kind: str, storage: str, double: bool):
+def qlora_model(base: str, kind: str, storage: str, double: bool, hf_checkpointing: bool = False):
     """``from_pretrained`` with bitsandbytes' 4-bit quantization on the CPU, prepared for k-bit training (norms and
     embeddings in fp32) and given LoRA adapters: QLoRA as the peft docs write it."""
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
@@ -177,7 +177,7 @@ def qlora_model(base: str, kind: str, storage: str, double: bool):
         warnings.simplefilter("ignore")
         model = LlamaForCausalLM.from_pretrained(base, quantization_config=config, device_map="cpu",
                                                  dtype=torch.bfloat16)
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=hf_checkpointing)
     torch.manual_seed(1)
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0,
                       init_lora_weights="gaussian")
@@ -445,3 +445,29 @@ def qlora_export(rank: int, world: int, base: str, out: str, case: tuple) -> dic
     return {"sharded": sharded, **logits, "config": json.loads((Path(out) / "merged" / "config.json").read_text()),
             "differ": [k for k, v in reference.state_dict().items() if not torch.equal(weights[k], v.to(weights[k].dtype))],
             "dtypes": sorted({str(v.dtype) for v in weights.values()}), "total": len(weights)}
+
+
+def qlora_checkpointing(rank: int, world: int, base: str) -> dict:
+    """3 steps of sharded QLoRA without checkpointing, with HF's (``prepare_model_for_kbit_training``) and with
+    ``activation_checkpointing=True``: the losses and adapters of each."""
+    from lightning_shard.engine.shard_module import shard_module
+
+    results = {}
+    for name in ("none", "hf", "units"):
+        torch.manual_seed(0)
+        model = qlora_model(base, "nf4", "uint8", True, hf_checkpointing=name == "hf")
+        runtime = shard_module(model, units=["LlamaDecoderLayer"], activation_checkpointing=name == "units")
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        runtime.attach_optimizer(optimizer)
+        losses = []
+        for ids in batches()[:3]:
+            mine = ids.chunk(world)[rank]
+            loss = model(input_ids=mine, labels=mine, use_cache=False).loss
+            loss.backward()
+            runtime.step(optimizer)
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(float(loss.detach()))
+        full = full_state_dict(runtime, rank0_only=False)
+        results[name] = {"losses": losses, "adapters": {k: v for k, v in full.items() if "lora_" in k},
+                         "checkpointed": getattr(model, "is_gradient_checkpointing", False)}
+    return results

@@ -3,6 +3,12 @@ exact against one process. bitsandbytes runs 4-bit quantization and Linear4bit's
 
 from __future__ import annotations
 
+import json
+import math
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -109,3 +115,28 @@ def test_qlora_exports_an_adapter_and_a_merged_bf16_folder_as_peft_makes_them(ba
     assert result["differ"] == [] and result["total"] == 21 and result["dtypes"] == ["torch.bfloat16"]
     assert torch.equal(result["merged"], result["reference"])
     assert "quantization_config" not in result["config"] and result["config"]["dtype"] == "bfloat16"
+
+
+def test_qlora_with_hf_gradient_checkpointing_or_activation_checkpointing_trains_the_same(base):
+    results = run_world(scenarios.qlora_checkpointing, 2, str(base), timeout=400)
+    for by_mode in results:
+        assert by_mode["hf"]["checkpointed"] and not by_mode["none"]["checkpointed"]
+        for mode in ("hf", "units"):  # recomputed in backward: the same numbers, to the bit
+            assert by_mode[mode]["losses"] == by_mode["none"]["losses"], mode
+            for key, value in by_mode["none"]["adapters"].items():
+                assert torch.equal(by_mode[mode]["adapters"][key], value), (mode, key)
+
+
+def test_the_qlora_example_runs_from_an_hf_folder_to_an_adapter_peft_loads(tmp_path):
+    """examples/qlora_llama.py at tiny size (it makes its own Llama folder), with HF's gradient checkpointing."""
+    out = tmp_path / "out"
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "qlora_llama.py")
+    proc = subprocess.run([sys.executable, script, "--steps", "3", "--checkpointing", "hf", "--out", str(out),
+                           "--base", str(tmp_path / "tiny-llama")], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=800, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert len(summary["losses"]) == 3 and all(math.isfinite(x) for x in summary["losses"])
+    assert (out / "adapter" / "adapter_config.json").is_file() and (out / "merged" / "config.json").is_file()
+    # the adapter onto the 4-bit base (4-bit kernels, fp32 LoRA) against the merged bf16 weights: bf16's rounding
+    assert summary["adapter_vs_merged"] < 2e-2, summary
