@@ -140,3 +140,29 @@ def test_the_qlora_example_runs_from_an_hf_folder_to_an_adapter_peft_loads(tmp_p
     assert (out / "adapter" / "adapter_config.json").is_file() and (out / "merged" / "config.json").is_file()
     # the adapter onto the 4-bit base (4-bit kernels, fp32 LoRA) against the merged bf16 weights: bf16's rounding
     assert summary["adapter_vs_merged"] < 2e-2, summary
+
+
+def test_packed_bytes_that_read_as_nan_inf_and_subnormals_survive_everything_bit_for_bit(base, tmp_path):
+    from lightning_shard.checkpoint.consolidate import consolidate
+
+    result = run_world(scenarios.planted_bytes, 2, str(base), str(tmp_path), timeout=600)[0]
+    planted = result["planted"]
+    assert len(planted) == 14
+    sample = next(iter(planted.values())).view(torch.bfloat16)  # what a float cast would have seen
+    assert sample.isnan().any() and sample.isinf().any() and (sample.abs() < torch.finfo(torch.bfloat16).tiny).any()
+    state = consolidate(tmp_path / "sharded")["state_dict"]  # in this process, as its command runs
+    result["points"]["consolidated"] = {name: state[name].contiguous().view(torch.uint8) for name in planted}
+    assert sorted(result["points"]) == ["consolidated", "full checkpoint", "offloaded", "sharded checkpoint",
+                                        "trained"]
+    for point, packed in result["points"].items():
+        for name, value in planted.items():
+            assert torch.equal(packed[name], value), (point, name)
+    # gathered (under fp16 mixed precision: a cast there would rewrite every one of them), offloaded or not: the
+    # weight each 4-bit layer computed with
+    for label in ("gathered", "gathered offloaded"):
+        for name, value in planted.items():
+            assert torch.equal(result["seen"][label][name], value), (label, name)
+    # the merged export writes them dequantized: bitsandbytes' dequantization of the planted bytes, exactly
+    assert len(result["exported"]) == 8
+    for name, (written, dequantized) in result["exported"].items():
+        assert torch.equal(written, dequantized), name
