@@ -12,7 +12,10 @@ import sys
 import pytest
 import torch
 
-from tests import mixed_scenarios as scenarios
+from tests import planted_scenarios
+from tests import qlora_scenarios as scenarios
+from tests.mixed_scenarios import write_base
+from tests.qlora_scenarios import same_bits
 from tests.world import run_world
 
 pytest.importorskip("transformers")
@@ -21,21 +24,10 @@ pytest.importorskip("bitsandbytes")
 pytestmark = pytest.mark.timeout(900)
 
 
-def bits(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor's bytes as integers: packed 4-bit values stored as bf16 include NaN patterns, which torch.equal
-    calls unequal to themselves."""
-    return tensor.contiguous().view(torch.uint8 if tensor.element_size() == 1 else
-                                    {2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()])
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
-
-
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     folder = tmp_path_factory.mktemp("hf") / "base"
-    scenarios.write_base(str(folder))
+    write_base(str(folder))
     return folder
 
 
@@ -145,7 +137,7 @@ def test_the_qlora_example_runs_from_an_hf_folder_to_an_adapter_peft_loads(tmp_p
 def test_packed_bytes_that_read_as_nan_inf_and_subnormals_survive_everything_bit_for_bit(base, tmp_path):
     from lightning_shard.checkpoint.consolidate import consolidate
 
-    result = run_world(scenarios.planted_bytes, 2, str(base), str(tmp_path), timeout=600)[0]
+    result = run_world(planted_scenarios.planted_bytes, 2, str(base), str(tmp_path), timeout=600)[0]
     planted = result["planted"]
     assert len(planted) == 14
     sample = next(iter(planted.values())).view(torch.bfloat16)  # what a float cast would have seen

@@ -91,7 +91,8 @@ def describe(param: nn.Parameter, name: str) -> tuple[QuantSpec, Tensor, list[tu
     return spec, param.detach(), tensors
 
 
-def _planned(param: Any, name: str, device: torch.device) -> tuple[QuantSpec, Tensor, list[tuple[str, Tensor]]]:
+def _planned(param: Any, name: str, device: torch.device,
+             tables: bool = True) -> tuple[QuantSpec, Tensor, list[tuple[str, Tensor]]]:
     """What bitsandbytes' quantization of ``param`` (not quantized) makes, as zeros on ``device`` (its code tables
     as they are): packed values two per byte, one absmax per block (uint8 with double quantization, whose nested
     state has blocksize 256)."""
@@ -104,7 +105,7 @@ def _planned(param: Any, name: str, device: torch.device) -> tuple[QuantSpec, Te
     spec = QuantSpec(name, blocksize, param.quant_type, param.dtype, torch.Size(param.shape), storage,
                      *((256, torch.float32) if nested else ()))
     blocks = -(-numel // blocksize)
-    meta = device.type == "meta"
+    meta = device.type == "meta" or not tables
     tensors = [("absmax", torch.zeros(blocks, dtype=torch.uint8 if nested else torch.float32, device=device)),
                ("quant_map", _code(spec.quant_type, device, meta))]
     if nested:
@@ -122,11 +123,11 @@ def _code(kind: str, device: torch.device, meta: bool) -> Tensor:
     return create_dynamic_map().to(device) if kind == "dynamic" else get_4bit_type(kind, device=device)
 
 
-def materialize(param: Any, name: str, module: Optional[nn.Module], device: torch.device) -> Any:
+def materialize(param: Any, name: str, module: Optional[nn.Module], device: torch.device, tables: bool = True) -> Any:
     """A ``Params4bit`` built on the meta device, made real as its quantization will be, all zeros (its code tables
-    as they are), without its full-precision weight ever existing: ``load_pretrained`` fills it after sharding
-    (quantizing each rank's part of each weight)."""
-    spec, packed, tensors = _planned(param, name, device)
+    as they are; ``tables=False``: left empty, under fake tensors), without its full-precision weight ever
+    existing: ``load_pretrained`` fills it after sharding (quantizing each rank's part of each weight)."""
+    spec, packed, tensors = _planned(param, name, device, tables)
     return params4bit(packed, spec, dict(tensors), module)
 
 
