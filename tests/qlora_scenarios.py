@@ -105,7 +105,8 @@ def qlora_against_one_process(rank: int, world: int, base: str, cases: list) -> 
             "ref_losses": ref_losses,
             "adapters": {k: v for k, v in full.items() if "lora_" in k},
             "ref_adapters": {k: v.detach().clone() for k, v in reference.state_dict().items() if "lora_" in k},
-            "quant": {k: v for k, v in full.items() if k in before}, "quant_keys": sorted(k for k in full if k in before),
+            "quant": {k: v for k, v in full.items() if k in before},
+            "quant_keys": sorted(k for k in full if k in before),
             "ref_quant": _quant_state(reference), "before": before,
             "gathered_classes": sorted(set(packed)),
             "stateless": all(p not in optimizer.state for p in model.parameters() if not p.requires_grad),
@@ -301,7 +302,8 @@ def qlora_export(rank: int, world: int, base: str, out: str, case: tuple) -> dic
                   "reference": reference(input_ids=ids).logits}
     weights = merged.state_dict()
     return {"sharded": sharded, **logits, "config": json.loads((Path(out) / "merged" / "config.json").read_text()),
-            "differ": [k for k, v in reference.state_dict().items() if not torch.equal(weights[k], v.to(weights[k].dtype))],
+            "differ": [k for k, v in reference.state_dict().items()
+                       if not torch.equal(weights[k], v.to(weights[k].dtype))],
             "dtypes": sorted({str(v.dtype) for v in weights.values()}), "total": len(weights)}
 
 

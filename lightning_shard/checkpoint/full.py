@@ -82,7 +82,8 @@ def full_state_dict(runtime: ShardRuntime, rank0_only: bool = True, skip: Abstra
         storage = unit.storage
         if all(slot.names[0] in skip for slot in storage.slots):  # stands in for them: shapes, no memory
             full += [(slot, nn.Parameter(torch.empty(slot.shape, dtype=shard.dtype, device="meta"),
-                                         requires_grad=False)) for slot, shard in zip(storage.slots, storage.shard_params)]
+                                         requires_grad=False))
+                     for slot, shard in zip(storage.slots, storage.shard_params)]
             continue
         flat = gather_master(runtime, storage)
         if keep:

@@ -216,7 +216,8 @@ class _KeyWalk:
             return True
         shape = getattr(value, "shape", None)
         self.mismatched.append(f"Shape mismatch for {key!r}: weights {tuple(shape) if shape is not None else value!r},"
-                               f" model a 4-bit weight of {tuple(self.quant[i].shape)} (packed {tuple(self.shapes[i])}).")
+                               f" model a 4-bit weight of {tuple(self.quant[i].shape)}"
+                               f" (packed {tuple(self.shapes[i])}).")
         return False
 
     def packed_state(self, name: str) -> bool:

@@ -29,6 +29,7 @@ from lightning_shard.engine.flat_shard import FlatShard, _refuse_autograd_grads
 from lightning_shard.engine.mixed_layout import MixedLayout, MixedSlot, master_layout, part
 from lightning_shard.engine.offload import HostShard
 
+
 class MixedShard(FlatShard):
     def __init__(self, layout: MixedLayout, flat: Tensor, rank: int, world_size: int,  # type: ignore[override]
                  param_dtype: Optional[torch.dtype] = None) -> None:
@@ -46,7 +47,8 @@ class MixedShard(FlatShard):
         self.device_type = self.device.type
         self.computes_lower = any(s.casts for s in slots)
 
-        self._layouts = [master_layout(slots, self.shard_numel, r) for r in range(world_size)]  # every rank's: full state dicts read them
+        # every rank's master layout (full state dicts read them all)
+        self._layouts = [master_layout(slots, self.shard_numel, r) for r in range(world_size)]
         self._master_offsets = self._layouts[rank][0]
         self._runs = self._cast_runs()
         shard = self._new_shard(max(size for _, size in self._layouts), torch.uint8)

@@ -110,7 +110,8 @@ def _planned(param: Any, name: str, device: torch.device,
                ("quant_map", _code(spec.quant_type, device, meta))]
     if nested:
         tensors += [("nested_absmax", torch.zeros(-(-blocks // 256), device=device)),
-                    ("nested_quant_map", _code("dynamic", device, meta)), ("nested_offset", torch.zeros(1, device=device))]
+                    ("nested_quant_map", _code("dynamic", device, meta)),
+                    ("nested_offset", torch.zeros(1, device=device))]
     return spec, torch.zeros(packed_bytes // storage.itemsize, 1, dtype=storage, device=device), tensors
 
 

@@ -85,7 +85,8 @@ def planned_sizes(model: nn.Module, plans: list[Any], ranks: int, param_dtype: O
         sizes.append((i, uniform_size(plan.numel(), ranks, plan.members == [""], max(p.numel() for p in params),
                                       sum(p.numel() for p in params if p.requires_grad), master, compute)))
     rank = _busiest(list(mixed.values()), ranks)
-    sizes += [(i, mixed_size(slots, shard, ranks, plans[i].members == [""], rank)) for i, (slots, shard) in mixed.items()]
+    sizes += [(i, mixed_size(slots, shard, ranks, plans[i].members == [""], rank))
+              for i, (slots, shard) in mixed.items()]
     return [size for _, size in sorted(sizes, key=lambda pair: pair[0])]
 
 

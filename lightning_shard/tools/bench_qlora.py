@@ -45,8 +45,9 @@ def qlora_llama(args: argparse.Namespace) -> torch.nn.Module:
     from transformers.integrations.bitsandbytes import replace_with_bnb_linear
 
     config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                         num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-                         max_position_embeddings=max(2048, args.seq), tie_word_embeddings=False)
+                         num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                         num_key_value_heads=args.kv_heads, max_position_embeddings=max(2048, args.seq),
+                         tie_word_embeddings=False)
     quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                       bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.uint8)
     with torch.device("meta"):
