@@ -21,7 +21,7 @@ class UnitSize:
     padded: int  # elements of the gathered (padded) buffer (a unit of several dtypes: bytes)
     shard: int  # elements of one rank's shard (a unit of several dtypes: bytes)
     is_root: bool
-    largest: int  # elements of its largest parameter
+    largest: int  # elements of its largest trainable parameter (what a for-loop optimizer's temporaries scale with)
     stepped: int  # elements of one rank's shard that train: what the optimizer keeps state for
     master_bytes: int  # one rank's master shard
     gathered_bytes: int  # the gathered buffer, in the dtypes the unit computes in
@@ -37,13 +37,13 @@ class UnitSize:
 
 def uniform_size(numel: int, ranks: int, is_root: bool, largest: int, trainable: int, master: torch.dtype,
                  compute: torch.dtype) -> UnitSize:
-    """A unit of one dtype: a unit that trains reduces its whole flat shard (``engine/flat_shard.py``). The optimizer
-    holds state for its trainable elements alone, counted whole on each rank (a LoRA unit's few may all lie in one
-    rank's shard)."""
+    """A unit of one dtype: a unit that trains reduces its whole flat shard (``engine/flat_shard.py``), and one that
+    does not gets no gradients at all (a frozen LoRA base's embeddings and head). The optimizer holds state for its
+    trainable elements alone, counted whole on each rank (a LoRA unit's few may all lie in one rank's shard)."""
     shard = -(-numel // ranks)
     stepped = min(shard, trainable)
     return UnitSize(shard * ranks, shard, is_root, largest, stepped, shard * master.itemsize,
-                    shard * ranks * compute.itemsize, shard if stepped else 0, shard * ranks)
+                    shard * ranks * compute.itemsize, shard if stepped else 0, shard * ranks if trainable else 0)
 
 
 def mixed_size(slots: list[MixedSlot], shard_nbytes: int, ranks: int, is_root: bool, rank: int) -> UnitSize:
@@ -52,7 +52,7 @@ def mixed_size(slots: list[MixedSlot], shard_nbytes: int, ranks: int, is_root: b
     stepped = sum(hi - lo for lo, hi in (part(s, shard_nbytes, rank) for s in trainable))
     longest = max(sum(hi - lo for lo, hi in (part(s, shard_nbytes, r) for s in trainable)) for r in range(ranks))
     master = max(master_layout(slots, shard_nbytes, r)[1] for r in range(ranks))  # every rank's: the longest
-    return UnitSize(shard_nbytes * ranks, shard_nbytes, is_root, max(s.numel for s in slots), stepped,
+    return UnitSize(shard_nbytes * ranks, shard_nbytes, is_root, max((s.numel for s in trainable), default=0), stepped,
                     master, shard_nbytes * ranks, longest,
                     sum(s.numel for s in trainable), mixed=True)
 
@@ -82,8 +82,9 @@ def planned_sizes(model: nn.Module, plans: list[Any], ranks: int, param_dtype: O
             continue
         master = master_dtype or params[0].dtype
         compute = param_dtype if param_dtype is not None and master.is_floating_point else master
-        sizes.append((i, uniform_size(plan.numel(), ranks, plan.members == [""], max(p.numel() for p in params),
-                                      sum(p.numel() for p in params if p.requires_grad), master, compute)))
+        trainable = [p.numel() for p in params if p.requires_grad]
+        sizes.append((i, uniform_size(plan.numel(), ranks, plan.members == [""], max(trainable, default=0),
+                                      sum(trainable), master, compute)))
     rank = _busiest(list(mixed.values()), ranks)
     sizes += [(i, mixed_size(slots, shard, ranks, plans[i].members == [""], rank))
               for i, (slots, shard) in mixed.items()]
@@ -100,8 +101,7 @@ def sharded_sizes(runtime: Any) -> list[UnitSize]:
         if unit in mixed:
             sizes.append(mixed_size(storage.slots, storage.shard_numel, storage.world_size, is_root, rank))
             continue
-        trainable = sum(s.numel for s, trains in zip(storage.slots, storage.requires_grad) if trains)
-        sizes.append(uniform_size(storage.padded_numel, storage.world_size, is_root,
-                                  max(s.numel for s in storage.slots), trainable, storage.master_dtype,
-                                  storage.param_dtype))
+        trainable = [s.numel for s, trains in zip(storage.slots, storage.requires_grad) if trains]
+        sizes.append(uniform_size(storage.padded_numel, storage.world_size, is_root, max(trainable, default=0),
+                                  sum(trainable), storage.master_dtype, storage.param_dtype))
     return sizes
