@@ -4,6 +4,7 @@ Lightning under ShardStrategy and under DDP on the same per-rank batches."""
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
@@ -153,3 +154,42 @@ def estimate_by_dtype(rank: int, world: int, base: str) -> dict:
     held = sum(u.storage.shard.nbytes for u in runtime.units) + (0 if root.aliases_shard else root.gathered_nbytes)
     return {"planned": planned.as_dict(), "read": read.as_dict(), "held": held, "state": state, "grads": grads,
             "fp32_everything": fp32_everything}
+
+
+def sharding_modes(rank: int, world: int, cases: list[tuple[str, int]]) -> list[float]:
+    """Per case ``(sharding, micro-batches per step)``: a bf16 Llama with fp32 LoRA adapters, 3 steps, against one
+    process accumulating the ranks' micro-batches; the largest adapter difference after them."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    from lightning_shard.engine.shard_module import shard_module
+
+    def build():
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(llama_config()).to(torch.bfloat16)
+        return get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights="gaussian"))
+
+    differences = []
+    for sharding, accumulate in cases:
+        reference, model = build(), build()
+        runtime = shard_module(model, sharding=sharding, units=["LlamaDecoderLayer"],
+                               shard_size=2 if sharding == "hybrid" else None)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        runtime.attach_optimizer(optimizer)
+        ref_optimizer = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-2)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            for micro in range(accumulate):
+                ids = torch.randint(0, VOCAB, (world, 8), generator=g)
+                last = micro == accumulate - 1
+                with runtime.no_replica_sync() if not last and sharding == "hybrid" else contextlib.nullcontext():
+                    (model(input_ids=ids[rank : rank + 1], labels=ids[rank : rank + 1]).loss / accumulate).backward()
+                for r in range(world):
+                    (reference(input_ids=ids[r : r + 1], labels=ids[r : r + 1]).loss / accumulate / world).backward()
+            runtime.step(optimizer)
+            optimizer.zero_grad()
+            ref_optimizer.step()
+            ref_optimizer.zero_grad()
+        full, expected = full_state_dict(runtime, rank0_only=False), reference.state_dict()
+        differences.append(max(float((full[k] - v).abs().max()) for k, v in expected.items() if "lora_" in k))
+    return differences

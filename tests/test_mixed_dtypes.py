@@ -70,3 +70,12 @@ def test_the_estimate_counts_each_parameter_in_its_own_dtype(base):
     # AdamW's two fp32 moments for this rank's adapter elements, and their fp32 gradient shards: nothing for the base
     assert planned["optimizer_state"] == max(r["state"] for r in results)
     assert planned["grads"] == max(r["grads"] for r in results)
+
+
+def test_units_of_several_dtypes_under_every_sharding_match_one_process():
+    cases = [("hybrid", 1), ("hybrid", 2), ("none", 1), ("grad_op", 1), ("full", 2)]
+    # hybrid: 2 replicas of 2-rank shard groups (the adapters' gradient shards all-reduced across them; accumulating,
+    # without it until the last micro-batch); the reference sums the same micro-batches in another order: fp32's
+    # last bits (measured: within 4.3e-8)
+    for differences in run_world(scenarios.sharding_modes, 4, cases, timeout=500):
+        assert len(differences) == len(cases) and max(differences) < 1e-6, differences
