@@ -158,3 +158,35 @@ def test_packed_bytes_that_read_as_nan_inf_and_subnormals_survive_everything_bit
     assert len(result["exported"]) == 8
     for name, (written, dequantized) in result["exported"].items():
         assert torch.equal(written, dequantized), name
+
+
+def _four_bit_layer(bias: bool, storage: torch.dtype = torch.uint8):
+    from bitsandbytes.nn import Linear4bit
+
+    torch.manual_seed(0)
+    layer = Linear4bit(128, 64, bias=bias, compute_dtype=torch.bfloat16, quant_type="nf4", quant_storage=storage)
+    return torch.nn.Sequential(layer.to("cpu"), torch.nn.Linear(64, 8))  # quantized by the move, as bitsandbytes does
+
+
+def test_what_cannot_be_sharded_exactly_is_refused_naming_it():
+    from lightning_shard.engine.averaging import AveragedShards, ema_update
+    from lightning_shard.engine.shard_module import shard_module
+
+    # bitsandbytes casts an fp32 bias to its bf16 compute dtype in place at the first forward: the gathered bias
+    # would be detached from the buffer that gathers refill
+    with pytest.raises(ValueError, match="has a torch.float32 bias .* and compute dtype torch.bfloat16"):
+        shard_module(_four_bit_layer(bias=True))
+    trainable = _four_bit_layer(bias=False, storage=torch.bfloat16)
+    trainable[0].weight.requires_grad_(True)
+    with pytest.raises(ValueError, match="packed 4-bit weight with requires_grad=True"):
+        shard_module(trainable)
+    model = _four_bit_layer(bias=False)
+    runtime = shard_module(model)
+    with pytest.raises(ValueError, match="hold parameters of several dtypes .* averaging their weights is not supported"):
+        AveragedShards(runtime, ema_update(0.9))
+    model(torch.randn(2, 128))  # the packed weight frozen: fine
+    frozen = _four_bit_layer(bias=False, storage=torch.bfloat16)
+    runtime = shard_module(frozen)
+    next(p for p in frozen.parameters() if p.dtype == torch.bfloat16).requires_grad_(True)  # its shard, unfrozen
+    with pytest.raises(RuntimeError, match="are packed quantized bytes and were set to require gradients"):
+        frozen(torch.randn(2, 128))
