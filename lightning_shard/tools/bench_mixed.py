@@ -5,9 +5,10 @@ per dtype, on the CPU (gloo), one thread per rank:
 
 The unit is one Llama decoder layer of that size as Hugging Face's LoRA recipe makes it: a bf16 base (its seven
 linear layers and two norms) and fp32 LoRA adapters on all seven linear layers, gathered in bf16 (bf16-mixed).
-``one``: the engine's gather of the unit (the adapters cast into the rank's range of its master shard, one
-all-gather of the range). ``per dtype``: the same bytes as two groups each split evenly over the ranks, as a unit per
-dtype would hold them: the adapters' shard cast, then one all-gather of the base's bytes and one of the adapters'.
+``one``: the engine's gather of the unit and its free (the adapters cast into the rank's range of its master shard,
+one all-gather of the range into the unit's buffer, given its memory back for it). ``per dtype``: the same bytes as
+two groups each split evenly over the ranks, as a unit per dtype would hold them: the adapters' shard cast, then one
+all-gather of the base's bytes and one of the adapters', each into a buffer allocated for it and freed.
 Configurations are interleaved (A B A B) and medians reported, with their ratio.
 """
 
@@ -58,16 +59,17 @@ def _rank(rank: int, world: int, args: argparse.Namespace, port: int, out: str) 
     per_rank_base = -(-base_bytes // world)
     base_shard = torch.zeros(per_rank_base, dtype=torch.uint8)
     adapter_master = torch.zeros(-(-adapters // world), dtype=torch.float32)
-    base_out = torch.empty(per_rank_base * world, dtype=torch.uint8)
-    adapter_out = torch.empty(adapter_master.numel() * world, dtype=torch.bfloat16)
 
     def one() -> None:
         runtime.schedule.gather(unit)
         runtime.schedule.reshard(unit)
 
-    def per_dtype() -> None:
+    def per_dtype() -> None:  # each group's gathered buffer allocated and freed, as the engine's is
+        base_out = torch.empty(per_rank_base * world, dtype=torch.uint8)
+        adapter_out = torch.empty(adapter_master.numel() * world, dtype=torch.bfloat16)
         dist.all_gather_into_tensor(base_out, base_shard)
         dist.all_gather_into_tensor(adapter_out, adapter_master.to(torch.bfloat16))
+        del base_out, adapter_out
 
     times: dict[str, list[float]] = {"one": [], "per dtype": []}
     for i in range(args.warmup + args.repeats):
