@@ -147,8 +147,9 @@ class _KeyWalk:
                 self.missing.append(key)
             elif i is None:  # a parameter of no unit: not expected from shard_module
                 self.errors.append(f"{key!r} is a parameter of no sharded unit")
-            elif self.quant[i] is not None and self._packed(key, local[key], i):
-                self.packed.setdefault(i, (key, local[key]))
+            elif self.quant[i] is not None:  # a 4-bit weight: full precision or packed
+                if self._packed(key, local[key], i):
+                    self.packed.setdefault(i, (key, local[key]))
             elif self._check(key, local[key], self.shapes[i]) and i not in self.params:
                 self.params[i] = (key, local[key])
         for attr, buffer in module._buffers.items():
