@@ -34,11 +34,10 @@ def fits_packed(value: Tensor, slot: Any) -> bool:
 
 
 @torch.no_grad()
-def load_packed(runtime: Any, walk: Any, found: dict[int, tuple[str, Tensor]], slots: list) -> list[str]:
+def load_packed(runtime: Any, walk: Any, found: dict[int, tuple[str, Tensor]], slots: list) -> None:
     """Fill the packed weights in ``found`` (slot index -> (name, value)), unit by unit in the same order on every
-    rank; returns the source names read besides them (the quantization state of pre-quantized weights)."""
+    rank (their collectives: which weights are quantized here depends on the files alone, the same on every rank)."""
     index = {id(slot): i for i, (_, slot, _) in enumerate(slots)}
-    consumed: list[str] = []
     for unit in runtime.units:
         storage = unit.storage
         mine = [(j, index[id(slot)]) for j, slot in enumerate(storage.slots) if index.get(id(slot)) in found]
@@ -52,8 +51,7 @@ def load_packed(runtime: Any, walk: Any, found: dict[int, tuple[str, Tensor]], s
                                                                                           storage.slots[j].quant))
         for j, i in mine:
             if j not in quantize:
-                consumed += _load_prequantized(storage, j, by_name, walk, *found[i])
-    return consumed
+                _load_prequantized(storage, j, by_name, walk, *found[i])
 
 
 def _blocks(storage: Any, j: int, rank: int) -> int:
@@ -66,7 +64,7 @@ def _blocks(storage: Any, j: int, rank: int) -> int:
 
 def _gather_absmax(runtime: Any, storage: Any, quantize: list[int], parts: list[Tensor]) -> list[Tensor]:
     """Each weight's absmax, all its blocks, on every rank: the ranks' parts in one all-gather per unit."""
-    if storage.world_size == 1:
+    if storage.world_size == 1 or not quantize:
         return parts
     counts = [[_blocks(storage, j, rank) for j in quantize] for rank in range(storage.world_size)]
     longest = max(map(sum, counts))
@@ -92,8 +90,7 @@ def _quantize_part(storage: Any, j: int, walk: Any, value: Tensor) -> Tensor:
     return absmax
 
 
-def _load_prequantized(storage: Any, j: int, by_name: dict[str, int], walk: Any, key: str,
-                       value: Tensor) -> list[str]:
+def _load_prequantized(storage: Any, j: int, by_name: dict[str, int], walk: Any, key: str, value: Tensor) -> None:
     slot, spec = storage.slots[j], storage.slots[j].quant
     lo, hi = (bound * slot.gather_dtype.itemsize for bound in storage.param_range(slot, storage.rank))  # bytes
     size = value.element_size()
@@ -114,7 +111,6 @@ def _load_prequantized(storage: Any, j: int, by_name: dict[str, int], walk: Any,
     if spec.nested:
         states["nested_offset"] = torch.tensor([float(saved["nested_offset"])])
     _write_states(storage, by_name, spec, states)
-    return wanted + [blob_name]
 
 
 def underlying(walk: Any, value: Optional[Tensor], name: Optional[str] = None) -> tuple[Any, str]:
