@@ -180,6 +180,10 @@ def test_what_cannot_be_sharded_exactly_is_refused_naming_it():
     trainable[0].weight.requires_grad_(True)
     with pytest.raises(ValueError, match="packed 4-bit weight with requires_grad=True"):
         shard_module(trainable)
+    from bitsandbytes.nn import Linear8bitLt
+
+    with pytest.raises(ValueError, match="Int8Params, a quantized parameter whose state this strategy does not shard"):
+        shard_module(torch.nn.Sequential(Linear8bitLt(64, 64, has_fp16_weights=False).to("cpu")))
     model = _four_bit_layer(bias=False)
     runtime = shard_module(model)
     with pytest.raises(ValueError, match="hold parameters of several dtypes .* averaging their weights is not supported"):

@@ -55,8 +55,11 @@ class MixedSlot(ParamSlot):
         return self.numel * self.master_dtype.itemsize
 
 
-def is_mixed(params: list[Tensor]) -> bool:
-    """Whether these parameters need a unit of several dtypes: they differ in dtype, or some are packed bytes."""
+def is_mixed(plan: Any) -> bool:
+    """Whether a unit's parameters need a unit of several dtypes: they differ in dtype, or some are packed bytes."""
+    for param, locations in plan.params:
+        quantized.refuse_other_quantized(param, ".".join(filter(None, locations[0])))
+    params = [param for param, _ in plan.params]
     return len({p.dtype for p in params}) > 1 or any(quantized.is_params4bit(p) for p in params)
 
 

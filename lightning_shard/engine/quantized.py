@@ -32,6 +32,16 @@ def is_params4bit(tensor: object) -> bool:
     return cls.__name__ == "Params4bit" and cls.__module__.startswith("bitsandbytes")
 
 
+def refuse_other_quantized(tensor: object, name: str) -> None:
+    """Quantized parameters whose state lives beside their data in a form this module does not know (bitsandbytes'
+    8-bit ``Int8Params``: ``SCB``; torchao's tensor subclasses) would be gathered without it: refused."""
+    cls = type(tensor)
+    if cls.__module__.split(".")[0] in ("bitsandbytes", "torchao") and not is_params4bit(tensor):
+        raise ValueError(f"lightning_shard: {name!r} is a {cls.__module__}.{cls.__name__}, a quantized parameter whose"
+                         " state this strategy does not shard (bitsandbytes' 4-bit Params4bit is supported: load in"
+                         " 4 bits, BitsAndBytesConfig(load_in_4bit=True)).")
+
+
 @dataclass(frozen=True)
 class QuantSpec:
     """What a packed weight's quantization is, besides its tensors (the same on every rank)."""

@@ -129,7 +129,7 @@ def shard_module(
         members = [module.get_submodule(name) for name in plan.members]
         computes_in = None if not is_root and all(isinstance(m, full_precision) for m in members) else param_dtype
         _refuse_mixed_devices(plan)
-        mixed = is_mixed([param for param, _ in plan.params])
+        mixed = is_mixed(plan)
         slots, flat = (flatten_mixed(module, plan, computes_in, _fqn, groups.shard_size, trainable_loads) if mixed
                        else _flatten(module, plan))
         plan.params.clear()  # the unit's full tensors go with their last reference

@@ -75,7 +75,7 @@ def planned_sizes(model: nn.Module, plans: list[Any], ranks: int, param_dtype: O
         if not plan.numel():
             continue
         params = [p for p, _ in plan.params]
-        if is_mixed(params) and master_dtype is None:
+        if is_mixed(plan) and master_dtype is None:
             slots, _ = mixed_slots(model, plan, param_dtype, lambda m, a: f"{m}.{a}" if m else a)
             layout = place(slots, ranks, loads)
             mixed[i] = (layout.slots, layout.shard_nbytes)
