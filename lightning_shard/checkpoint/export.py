@@ -6,6 +6,9 @@
 * a peft model: by default its adapter alone (``adapter_model.safetensors`` and ``adapter_config.json``, what
   ``PeftModel.from_pretrained(base, folder)`` loads); ``merged=True`` writes the base model with the adapter
   merged into its weights instead (LoRA's ``get_delta_weight``), a folder ``from_pretrained`` loads as the base.
+* 4-bit weights (bitsandbytes, QLoRA) are written dequantized, in the dtype they were quantized from (merged with
+  their adapter where there is one), and the config without its ``quantization_config``: a folder of ordinary
+  weights (``dtype=torch.bfloat16`` writes every weight in bf16).
 
 Every rank must call it on a sharded module: units are gathered one at a time (an adapter's weights alone, not
 the units around them), and rank 0 writes. No process holds more than a unit and one file's tensors, and never the
@@ -27,6 +30,7 @@ from torch import Tensor, nn
 
 from lightning_shard.checkpoint import conversion, files, hf
 from lightning_shard.checkpoint.full import gather_slots, registered
+from lightning_shard.checkpoint.quantized_export import Dequantizer
 from lightning_shard.checkpoint.safetensors_writer import SafetensorsWriter, parse_size
 from lightning_shard.engine import collectives
 from lightning_shard.engine.flat_shard import ParamSlot
@@ -89,7 +93,7 @@ def save_pretrained(module: nn.Module, folder: Union[str, Path], dtype: Optional
                     writer.add(file_name, piece)
                 del tensor, piece  # the writer's alone: written out, it is freed before the next one is gathered
             writer.close()
-            _write_configs(model.get_base_model() if merged else model, partial, dtype)
+            _write_configs(model.get_base_model() if merged else model, partial, dtype)  # (no quantization_config)
         for path in carried:
             shutil.copy2(path, partial / path.name)
     except BaseException:
@@ -148,7 +152,7 @@ def _parameters(module: nn.Module, before: Callable[[int], None] = lambda nbytes
             full = None
             if writing:
                 before(slot.numel * shard.element_size())
-                full = torch.empty(slot.shape, dtype=storage.master_dtype, device=storage.shard.device)
+                full = torch.empty(slot.shape, dtype=shard.dtype, device=storage.shard.device)
             if storage.world_size == 1:
                 if full is not None:
                     full.view(-1).copy_(shard.detach())
@@ -171,9 +175,13 @@ class _Exporter:
         self.tied = hf.tied_targets(model)
         self.layers = layers
         self.held: dict[str, tuple[ParamSlot, Tensor]] = {}  # what a layer still waiting for its adapter needs
+        self.packed = Dequantizer()  # 4-bit weights are written dequantized, merged or not
 
     def tensors(self) -> Iterator[tuple[str, Tensor]]:
-        for slot, value in _parameters(self.module, self.make_room):
+        for packed_slot, packed_value in _parameters(self.module, self.make_room):
+            slot, value = self.packed.take(packed_slot, packed_value)
+            if slot is None:
+                continue  # a 4-bit weight waiting for its quantization state, or a part of that state
             names = [n[len(self.prefix):] for n in slot.names if n.startswith(self.prefix)]
             if not names:
                 continue  # not the exported model's (a LightningModule's own head, say)
@@ -186,6 +194,7 @@ class _Exporter:
             if name is not None:
                 yield name, self._cast(value)
             del value  # before the next one is gathered
+        self.packed.check_done()
         if self.layers.get("needs") and len(self.held) != 0:
             raise RuntimeError(f"save_pretrained: merging stopped at {sorted(self.held)[:4]}: a LoRA layer's weights"
                                " were not all found.")
@@ -205,7 +214,8 @@ class _Exporter:
                 values = [self.held.pop(n) for n in needs]
                 with registered([(slot, nn.Parameter(v, requires_grad=False)) for slot, v in values]):
                     base = _base_param(layer)
-                    merged = base + layer.get_delta_weight(self.adapter).to(base.dtype)
+                    # as peft's merge (`weight.data += delta`): added in the wider dtype, rounded once
+                    merged = (base + layer.get_delta_weight(self.adapter)).to(base.dtype)
                 del self.layers["by_layer"][path]
                 yield hf.base_name(f"{path}.{base_name}" if path else base_name), self._cast(merged)
 
@@ -303,7 +313,10 @@ def _write_adapter(module: nn.Module, model: nn.Module, prefix: str, adapter: st
 def _write_configs(model: nn.Module, folder: Path, dtype: Optional[torch.dtype]) -> None:
     config = getattr(model, "config", None)
     if hf.is_transformers_model(model) and config is not None:
-        hf.saved_config(model, dtype or hf.floating_dtype(model)).save_pretrained(str(folder))
+        saved = hf.saved_config(model, dtype or hf.floating_dtype(model))
+        if getattr(saved, "quantization_config", None) is not None:  # its weights are written dequantized
+            del saved.quantization_config
+        saved.save_pretrained(str(folder))
         generation = getattr(model, "generation_config", None)
         if generation is not None and getattr(model, "can_generate", lambda: False)():
             generation.save_pretrained(str(folder))

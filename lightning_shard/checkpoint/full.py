@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterator, Mapping, Set as AbstractSet
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -24,23 +24,36 @@ from lightning_shard.checkpoint.weights import load_into
 from lightning_shard.engine import collectives
 from lightning_shard.engine.flat_shard import FlatShard, ParamSlot
 from lightning_shard.engine.hooks import ShardRuntime
+from lightning_shard.engine.mixed_shard import MixedShard
+from lightning_shard.engine.quantized import full_parameters
 
 
 def gather_master(runtime: ShardRuntime, storage: FlatShard) -> Tensor:
-    """The unit's full flat buffer of master values (padded), on every rank."""
+    """Every rank's master shard, rank-major, on every rank (``storage.master_values`` reads each slot out of it)."""
     if storage.world_size == 1:
         return storage.shard
-    out = storage.shard.new_empty(storage.padded_numel)
+    out = storage.shard.new_empty(storage.shard.numel() * storage.world_size)
     return collectives.all_gather(out, storage.shard, runtime.groups.shard, runtime.stats).wait()
 
 
-def gather_slots(runtime: ShardRuntime, storage: FlatShard, slots: list[int]) -> list[Tensor]:
-    """The full master values of some of a unit's parameters, on every rank, moving only theirs (a unit's LoRA
-    adapter, not its base weights): each rank's pieces, padded to the longest rank's, in one all-gather."""
+def gather_slots(runtime: ShardRuntime, storage: FlatShard, slots: list[int],
+                 local: Optional[list[Tensor]] = None) -> list[Tensor]:
+    """The full master values of some of a unit's parameters (or of their ``local`` parts of another tensor: an
+    optimizer state), on every rank, moving only theirs (a unit's LoRA adapter, not its base weights): each rank's
+    pieces, padded to the longest rank's, in one all-gather per dtype."""
+    mine = local if local is not None else [storage.shard_params[s].detach() for s in slots]
+    dtypes = list(dict.fromkeys(piece.dtype for piece in mine))
+    if len(dtypes) > 1:  # a unit of several dtypes (engine/mixed_shard.py): one all-gather each
+        full: dict[int, Tensor] = {}
+        for dtype in dtypes:
+            chosen = [i for i, piece in enumerate(mine) if piece.dtype == dtype]
+            gathered = gather_slots(runtime, storage, [slots[i] for i in chosen], [mine[i] for i in chosen])
+            full.update(zip(chosen, gathered))
+        return [full[i] for i in range(len(slots))]
+
     def pieces(rank: int) -> list[int]:
         return [hi - lo for lo, hi in (storage.param_range(storage.slots[s], rank) for s in slots)]
 
-    mine = [storage.shard[slice(*storage.shard_range(storage.slots[s]))] for s in slots]
     if storage.world_size == 1:
         return [piece.view(storage.slots[s].shape) for piece, s in zip(mine, slots)]
     lengths = [pieces(r) for r in range(storage.world_size)]
@@ -69,21 +82,26 @@ def full_state_dict(runtime: ShardRuntime, rank0_only: bool = True, skip: Abstra
     for unit in runtime.units:
         storage = unit.storage
         if all(slot.names[0] in skip for slot in storage.slots):  # stands in for them: shapes, no memory
-            full += [(slot, nn.Parameter(torch.empty(slot.shape, dtype=storage.master_dtype, device="meta"),
-                                         requires_grad=False)) for slot in storage.slots]
+            full += [(slot, nn.Parameter(torch.empty(slot.shape, dtype=shard.dtype, device="meta"),
+                                         requires_grad=False))
+                     for slot, shard in zip(storage.slots, storage.shard_params)]
             continue
         flat = gather_master(runtime, storage)
         if keep:
-            full += [(slot, nn.Parameter(flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
-                                         .to("cpu", copy=True), requires_grad=shard.requires_grad))
-                     for slot, shard in zip(storage.slots, storage.shard_params)]
+            values = [value.to("cpu", copy=True) for value in storage.master_values(flat)]
+            params = full_parameters(storage.slots, values, [shard.requires_grad for shard in storage.shard_params])
+            full += list(zip(storage.slots, params))
         del flat
     if not keep:
         return {}
+    # (a packed weight left out takes its quantization state, which bitsandbytes writes beside it, along)
     left_out = {name for slot, _ in full if slot.names[0] in skip for name in slot.names}
+    packed_out = tuple(f"{name}." for slot, _ in full if getattr(slot, "quant", None) is not None
+                       and slot.names[0] in skip for name in slot.names)
     with registered(full), runtime.plain_state_dict():
         state = runtime.root.state_dict()
-    return {k: v.detach().cpu() if isinstance(v, Tensor) else v for k, v in state.items() if k not in left_out}
+    return {k: v.detach().cpu() if isinstance(v, Tensor) else v for k, v in state.items()
+            if k not in left_out and not (packed_out and k.startswith(packed_out))}
 
 
 @contextmanager
@@ -157,7 +175,11 @@ def full_optimizer_state_dict(runtime: ShardRuntime, optimizer: Optimizer, rank0
         for key in keys:
             elementwise = [s for s, p in entries if key in optimizer.state[p]
                            and _is_elementwise(optimizer.state[p][key], p, key)]
-            if elementwise:
+            if elementwise and isinstance(storage, MixedShard):  # no flat layout of elements: slot by slot
+                values = gather_slots(runtime, storage, elementwise,
+                                      [optimizer.state[storage.shard_params[s]][key] for s in elementwise])
+                whole = dict(zip(elementwise, values))
+            elif elementwise:
                 sample = optimizer.state[storage.shard_params[elementwise[0]]][key]
                 flat = storage.shard.new_zeros(storage.shard_numel, dtype=sample.dtype)
                 for s in elementwise:
@@ -170,7 +192,8 @@ def full_optimizer_state_dict(runtime: ShardRuntime, optimizer: Optimizer, rank0
                 slot = storage.slots[s]
                 value = optimizer.state[p][key]
                 if s in elementwise:
-                    value = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
+                    value = whole[s] if isinstance(storage, MixedShard) else \
+                        full[slot.offset : slot.offset + slot.numel].view(slot.shape)
                 state.setdefault(index[id(p)][0], {})[key] = _to_cpu(value)
     if not keep:
         return {}

@@ -262,7 +262,7 @@ def load_optimizer_state(
             entry = dict(saved["other"].get(name, {}))
             for key, md in available.get(name, {}).items():
                 if key in elementwise:
-                    lo, hi = storage.shard_range(slot)
+                    lo, hi = storage.param_range(slot, storage.rank)
                     local = torch.zeros(hi - lo, dtype=md.properties.dtype, device=storage.shard.device)
                     view = _view(runtime, storage, slot, local)
                     if view is not None:

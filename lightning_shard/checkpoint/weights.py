@@ -12,6 +12,7 @@ from torch.nn.modules.instancenorm import _InstanceNorm
 from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX, _IncompatibleKeys
 
 from lightning_shard.checkpoint.files import CheckpointError
+from lightning_shard.checkpoint.quantized_load import fits_packed, is_unquantized, load_packed, underlying
 from lightning_shard.engine.hooks import ShardRuntime
 
 
@@ -33,6 +34,7 @@ def load_into(runtime: ShardRuntime, source: Any, strict: bool = True, prefix: s
     walk = _KeyWalk(slots, source, prefix, strict)
     walk.load(runtime.root, walk.initial(), "")
     missing, unexpected = walk.incompatible()
+    unexpected = [name for name in unexpected if not walk.packed_state(name)]
     if not_expected is not None:
         missing = [name for name in missing if not not_expected(name)]
     if strict and (missing or unexpected):
@@ -44,6 +46,8 @@ def load_into(runtime: ShardRuntime, source: Any, strict: bool = True, prefix: s
     for i, (key, value) in walk.params.items():
         unit, slot, param = slots[i]
         param.copy_(walk.read(value, *unit.storage.param_range(slot, unit.storage.rank)))
+    if walk.packed:  # 4-bit weights: quantized by parts, or pre-quantized with their state (every rank: collectives)
+        load_packed(runtime, walk, walk.packed, slots)
     for buffer, value in walk.buffers:
         buffer.copy_(walk.whole(value))
     for module, value in walk.extra_states:
@@ -76,11 +80,14 @@ class _KeyWalk:
                         for module, attr in slot.locations}
         self.slot_names = [slot.names for _, slot, _ in slots]
         self.shapes = [slot.shape for _, slot, _ in slots]
+        self.slots = [slot for _, slot, _ in slots]
         self.metadata = source.metadata
         self.origin: dict[int, str] = {}  # id(value as given to the hooks) -> the source's name
         self.kept: list[Any] = []  # those values, alive so that their ids stay theirs
         self.made_by: dict[int, str] = {}  # id(a meta value a hook computed) -> the hook, named
         self.params: dict[int, tuple[str, Any]] = {}  # slot index -> (key, value), first found
+        self.quant = [getattr(slot, "quant", None) for _, slot, _ in slots]  # a packed 4-bit weight's quantization
+        self.packed: dict[int, tuple[str, Any]] = {}  # those of them found (quantized_load.py reads them)
         self.buffers: list[tuple[Tensor, Any]] = []
         self.extra_states: list[tuple[nn.Module, Any]] = []
         self.missing: list[str] = []
@@ -140,6 +147,9 @@ class _KeyWalk:
                 self.missing.append(key)
             elif i is None:  # a parameter of no unit: not expected from shard_module
                 self.errors.append(f"{key!r} is a parameter of no sharded unit")
+            elif self.quant[i] is not None:  # a 4-bit weight: full precision or packed
+                if self._packed(key, local[key], i):
+                    self.packed.setdefault(i, (key, local[key]))
             elif self._check(key, local[key], self.shapes[i]) and i not in self.params:
                 self.params[i] = (key, local[key])
         for attr, buffer in module._buffers.items():
@@ -195,11 +205,31 @@ class _KeyWalk:
     def incompatible(self) -> tuple[list[str], list[str]]:
         """Missing and unexpected names (the unexpected ones as the source spells them, less ``prefix``); a tied
         weight found under one of its names is not missing under the others."""
-        found = {key for i in self.params for key in self.slot_names[i]}
+        found = {key for i in (*self.params, *self.packed) for key in self.slot_names[i]}
         missing = list(dict.fromkeys(k for k in self.missing if k.startswith(self.prefix) and k not in found))
         unexpected = list(dict.fromkeys(k[len(self.prefix):] if k.startswith(self.prefix) else k
                                         for k in self.unexpected))
         return missing, sorted(unexpected)
+
+    def _packed(self, key: str, value: Any, i: int) -> bool:
+        """A 4-bit weight of the model found: full precision (to quantize) or pre-quantized; else a mismatch."""
+        if isinstance(value, Tensor) and (is_unquantized(value, self.quant[i]) or fits_packed(value, self.slots[i])):
+            return True
+        shape = getattr(value, "shape", None)
+        self.mismatched.append(f"Shape mismatch for {key!r}: weights {tuple(shape) if shape is not None else value!r},"
+                               f" model a 4-bit weight of {tuple(self.quant[i].shape)}"
+                               f" (packed {tuple(self.shapes[i])}).")
+        return False
+
+    def packed_state(self, name: str) -> bool:
+        """Whether ``name`` (as unexpected reports it) is a found 4-bit weight's quantization state."""
+        weights = {underlying(self, value)[1] for _, value in self.packed.values()}  # as the files name them
+        name = underlying(self, None, name)[1]
+        for suffix in ("absmax", "quant_map", "nested_absmax", "nested_quant_map",
+                       "quant_state.bitsandbytes__nf4", "quant_state.bitsandbytes__fp4"):
+            if name.endswith("." + suffix) and name[: -len(suffix) - 1] in weights:
+                return True
+        return False
 
     # -- reading what was found -------------------------------------------------------------------------
     def read(self, value: Tensor, lo: int, hi: int) -> Tensor:

@@ -21,6 +21,7 @@ from torch.optim.swa_utils import get_swa_avg_fn, get_swa_multi_avg_fn
 from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
 
 from lightning_shard.engine.hooks import ShardRuntime
+from lightning_shard.engine.mixed_shard import MixedShard
 
 
 # averages the current tensors into the averages in place, given the updates before this one (at least one)
@@ -78,6 +79,12 @@ class AveragedShards:
         self._update = update
         self.use_buffers = use_buffers
         self.n_averaged = 0  # updates so far; the first one copies
+        mixed = [unit.name for unit in runtime.units if isinstance(unit.storage, MixedShard)]
+        if mixed:  # their shards are bytes (engine/mixed_shard.py): averaged as numbers they would be garbage
+            raise ValueError(
+                f"lightning_shard: units {mixed[:4]} hold parameters of several dtypes (a bf16 base beside fp32"
+                " adapters, packed 4-bit weights): averaging their weights is not supported. Give the model one dtype"
+                " (e.g. precision='bf16-mixed' with an fp32 base), or train without weight averaging.")
         with torch.no_grad():
             self.shards = [unit.storage.shard.to(device or unit.storage.shard.device, copy=True)
                            for unit in runtime.units]

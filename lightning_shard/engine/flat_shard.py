@@ -105,8 +105,16 @@ class FlatShard:
             for s in slots
         ]
         self.free()  # views exist now; the storage comes back at the first gather
-        # where each parameter is registered in the module tree, per module: swapped at every gather and free of a
-        # step, one dict.update() per module
+        self._index_params()
+        # the flat gradient shard and the shard parameters' ``.grad`` views of it, held weakly: the parameters'
+        # ``.grad`` keep it alive, so ``zero_grad(set_to_none=True)`` frees it as it does without sharding
+        self._shard_grad: Optional[weakref.ref] = None
+        self._shard_grad_views: dict[int, weakref.ref] = {}
+
+    def _index_params(self) -> None:
+        """Where each parameter is registered in the module tree, per module: swapped at every gather and free of a
+        step, one dict.update() per module; and which ones train."""
+        slots = self.slots
         in_tree: dict[int, tuple[dict, dict, dict]] = {}  # id(module._parameters) -> (it, shard, gathered params)
         for i, slot in enumerate(slots):
             for module, attr in slot.locations:
@@ -124,10 +132,6 @@ class FlatShard:
         self.unsharded = UnshardedGrads(self.gathered_params, [s.numel for s in slots], self._padding, self.device)
         self._both_params = self.shard_params + self.gathered_params  # compared in one pass at every use of the unit
         self._both_requires_grad = self.requires_grad * 2
-        # the flat gradient shard and the shard parameters' ``.grad`` views of it, held weakly: the parameters'
-        # ``.grad`` keep it alive, so ``zero_grad(set_to_none=True)`` frees it as it does without sharding
-        self._shard_grad: Optional[weakref.ref] = None
-        self._shard_grad_views: dict[int, weakref.ref] = {}
 
     # -- layout -------------------------------------------------------------------------------------
     def param_range(self, slot: ParamSlot, rank: int) -> tuple[int, int]:
@@ -148,6 +152,10 @@ class FlatShard:
         if slot.requires_grad:
             _refuse_autograd_grads(param, slot)
         return param
+
+    def master_values(self, gathered_masters: Tensor) -> list[Tensor]:
+        """Each slot's full master values (its shape), out of every rank's master shard gathered rank-major."""
+        return [gathered_masters[s.offset : s.offset + s.numel].view(s.shape) for s in self.slots]
 
     # -- gathered buffer ----------------------------------------------------------------------------
     @property
@@ -175,7 +183,11 @@ class FlatShard:
 
     def fill_gathered(self, buffer: Tensor) -> None:
         """One rank: the gathered buffer is this rank's shard in the compute dtype (``buffer``: :attr:`gathered_data`)."""
-        buffer.copy_(self.shard)
+        self.write_gather_input(buffer)
+
+    def write_gather_input(self, out: Tensor) -> None:
+        """Write this rank's contribution to the all-gather into ``out`` (one shard of the gathered buffer's dtype)."""
+        out.copy_(self.shard)
 
     def write_back(self) -> None:
         """This rank's part of the gathered buffer into its shard, where something wrote it since the gather (a weight
@@ -328,12 +340,17 @@ class FlatShard:
         held = [i for i in sorted(slots) if self.shard_params[i].grad is not None]
         if not held:
             return None
-        flat = self.shard.new_zeros(self.shard_numel, dtype=self.shard_params[held[0]].grad.dtype)
+        numel, ranges = self.grad_shard_layout()
+        flat = self.shard.new_zeros(numel, dtype=self.shard_params[held[0]].grad.dtype)
         for i in held:
-            lo, hi = self.shard_ranges[i]
+            lo, hi = ranges[i]
             flat[lo:hi] = self.shard_params[i].grad
             self.shard_params[i].grad = None
         return flat, held
+
+    def grad_shard_layout(self) -> tuple[int, list[tuple[int, int]]]:
+        """The length of this rank's reduced gradient shard, and each slot's part of it."""
+        return self.shard_numel, self.shard_ranges
 
     def accumulate_shard_grad(self, reduced: Tensor, used: list[int]) -> None:
         """Add this rank's reduced gradient shard to the shard parameters' ``.grad``.

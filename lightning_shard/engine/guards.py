@@ -14,6 +14,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
+from lightning_shard.engine.quantized import full_parameters
 from lightning_shard.engine.unit import Unit
 
 
@@ -134,10 +135,10 @@ class ModuleGuards:
         self._full_depth += 1
         try:
             for unit in self.units:
-                storage = unit.storage
-                for slot, shard in zip(storage.slots, storage.shard_params):
-                    lo, hi = storage.shard_range(slot)  # the whole parameter: one rank holds all
-                    full = nn.Parameter(storage.shard[lo:hi].view(slot.shape), requires_grad=shard.requires_grad)
+                storage = unit.storage  # each shard is its whole parameter: one rank holds all
+                values = [shard.detach().view(slot.shape) for slot, shard in zip(storage.slots, storage.shard_params)]
+                fulls = full_parameters(storage.slots, values, [shard.requires_grad for shard in storage.shard_params])
+                for slot, full in zip(storage.slots, fulls):
                     for owner, attr in slot.locations:
                         owner._parameters[attr] = full
             return original(*args, **kwargs)

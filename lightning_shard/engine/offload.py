@@ -116,7 +116,8 @@ class HostShard(FlatShard):
         self.shard_parameter = type("HostShardParameter", (_HostShardParameter,), {"_host_shard": weakref.ref(self)})
         super().__init__(slots, flat, rank, world_size, param_dtype)
         self.keep_on_device = keep_on_device
-        self._staging = torch.empty(self.shard_numel, dtype=self.param_dtype, pin_memory=self.pinned)
+        # in the gathered buffer's dtype (a unit of several dtypes: bytes, engine/mixed_shard.py)
+        self._staging = torch.empty(self.shard_numel, dtype=self.gathered.dtype, pin_memory=self.pinned)
         self._stale = True  # the shards were written since the staging copy was made (shards_changed)
         self._staged_version = -1  # the shard's version counter when the staging copy was made
         self._stagings = 0  # how many times the staging copy was made: what the device copy is of
@@ -178,7 +179,7 @@ class HostShard(FlatShard):
         version = self.shard._version
         if self._stale or self._staged_version != version:
             self._staging_read.wait()  # never rewrite what a queued copy still reads
-            self._staging.copy_(self.shard)
+            self.write_gather_input(self._staging)
             self._stale, self._staged_version = False, version
             self._stagings += 1
         return self._staging
@@ -191,11 +192,11 @@ class HostShard(FlatShard):
     def _device_copy(self) -> Tensor:
         """The compute-dtype shard on the device, in the current stream's order (the gather stream's)."""
         if not self.keep_on_device:
-            return self._to_device(torch.empty(self.shard_numel, dtype=self.param_dtype, device=self.device))
+            return self._to_device(torch.empty(self.shard_numel, dtype=self.gathered.dtype, device=self.device))
         staged = self._staged()
         self._uploaded.wait_on_device()  # a copy the overlapped step queued (on CUDA; else done already)
         if self._on_device is None:
-            self._on_device = torch.empty(self.shard_numel, dtype=self.param_dtype, device=self.device)
+            self._on_device = torch.empty(self.shard_numel, dtype=self.gathered.dtype, device=self.device)
         if self._on_device_of != self._stagings:
             self._on_device.copy_(staged, non_blocking=True)
             self._staging_read.record()

@@ -189,9 +189,8 @@ class _OwnerExchange:
         self.recv_out_splits = [sum(e.piece_len(rank) for e in es) for es in self.by_owner]
 
     def send_in(self, group: Optional[dist.ProcessGroup], stats: CommStats) -> Pending:
-        first = self.bucket.entries[0].storage
-        assert first is not None
-        dtype, device = first.master_dtype, first.shard.device
+        first = self.bucket.entries[0]
+        dtype, device = first.param.dtype, first.param.device  # a bucket holds one dtype and device (step_plan.py)
         pieces: list[Tensor] = []
         for entries in self.by_owner:
             grads = [e.param.grad for e in entries]
@@ -239,9 +238,7 @@ class _OwnerExchange:
                  stats: CommStats) -> Pending:
         flats = [param.detach().reshape(-1) for _, param in stepped]
         pieces = [flat[slice(*entry.piece(r))] for r in range(self.world) for (entry, _), flat in zip(stepped, flats)]
-        first = self.bucket.entries[0].storage
-        assert first is not None
-        flat = torch.cat(pieces) if pieces else first.shard.new_empty(0)
+        flat = torch.cat(pieces) if pieces else self.bucket.entries[0].param.new_empty(0)
         out = flat.new_empty(sum(self.recv_out_splits))
         return collectives.all_to_all(out, flat, self.recv_out_splits, self.send_out_splits, group, stats,
                                       async_op=True, label="all-to-all of stepped parameters to their shards")

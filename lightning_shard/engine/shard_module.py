@@ -25,11 +25,14 @@ from lightning_shard.engine.compile import (
     validate_compile,
     warn_if_compiled_by_user,
 )
+from lightning_shard.engine import quantized
 from lightning_shard.engine.flat_shard import FlatShard, ParamSlot
 from lightning_shard.engine.groups import build_groups, validate_shard_size, validate_sharding
 from lightning_shard.engine.hooks import ShardRuntime
 from lightning_shard.engine.materialize import Materializer
 from lightning_shard.engine.mirrors import misaligned_mirrors
+from lightning_shard.engine.mixed_layout import flatten_mixed, is_mixed
+from lightning_shard.engine.mixed_shard import HostMixedShard, MixedShard
 from lightning_shard.engine.offload import HostShard, validate_offload
 from lightning_shard.engine.outside import TreeParameters, adopt
 from lightning_shard.engine.plan import (
@@ -124,25 +127,29 @@ def shard_module(
         warnings.warn(compiled_by_user, stacklevel=2)
     built: list[Unit] = []
     root_unit = None
+    trainable_loads = [0] * groups.shard_size  # units of several dtypes: trainable elements per rank (mixed_layout.py)
     for plan in plans:
         if not plan.params:
             continue
+        quantized.materialize_unit(module, plan, materializer.device)  # (4-bit weights: packed, never full)
         materializer.unit(plan)
-        slots, flat = _flatten(module, plan)
+        is_root = plan.members == [""]
+        members = [module.get_submodule(name) for name in plan.members]
+        computes_in = None if not is_root and all(isinstance(m, full_precision) for m in members) else param_dtype
+        _refuse_mixed_devices(plan)
+        mixed = is_mixed(plan)
+        slots, flat = (flatten_mixed(module, plan, computes_in, _fqn, groups.shard_size, trainable_loads) if mixed
+                       else _flatten(module, plan))
         for slot in slots:
             for owner, _ in slot.locations:
                 adopt(owner)  # before the storage records the dict its parameters are registered in
         plan.params.clear()  # the unit's full tensors go with their last reference
         if world > 1:
             dist.broadcast(flat, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-        is_root = plan.members == [""]
-        members = [module.get_submodule(name) for name in plan.members]
-        computes_in = None if not is_root and all(isinstance(m, full_precision) for m in members) else param_dtype
-        if offload is None:
-            storage = FlatShard(slots, flat, groups.shard_rank, groups.shard_size, param_dtype=computes_in)
-        else:
-            storage = HostShard(slots, flat, groups.shard_rank, groups.shard_size, param_dtype=computes_in,
-                                keep_on_device=offload == "optimizer")
+        storage_class = (MixedShard if mixed else FlatShard) if offload is None else (
+            HostMixedShard if mixed else HostShard)
+        storage = storage_class(slots, flat, groups.shard_rank, groups.shard_size, param_dtype=computes_in,
+                                **({} if offload is None else {"keep_on_device": offload == "optimizer"}))
         del flat
         storage.use_shards()
         unit = Unit(plan.name, members, storage, reshard_after_forward=sharding in ("full", "hybrid") and not is_root)
@@ -258,14 +265,7 @@ def _check_ranks_agree(plans: list[UnitPlan], group: Optional[dist.ProcessGroup]
 
 
 def _flatten(root: nn.Module, plan: UnitPlan) -> tuple[list[ParamSlot], torch.Tensor]:
-    dtypes = {p.dtype for p, _ in plan.params}
-    devices = {p.device for p, _ in plan.params}
-    if len(dtypes) > 1 or len(devices) > 1:
-        names = [_fqn(*locs[0]) for _, locs in plan.params]
-        raise ValueError(
-            f"Unit {plan.name!r} mixes dtypes {sorted(map(str, dtypes))} or devices {sorted(map(str, devices))}"
-            f" among its parameters {names}; give these modules one dtype and device before sharding."
-        )
+    """The unit's slots and full flat buffer (its parameters of one dtype: ``mixed_layout.py`` lays out the rest)."""
     slots, pieces, offset = [], [], 0
     for param, locations in plan.params:
         slots.append(
@@ -325,6 +325,15 @@ def _refuse_pruned(root: nn.Module) -> None:
             " buffer, recomputed before each forward), which sharding would apply to 1-D shards. Make them permanent"
             " before sharding (`torch.nn.utils.prune.remove(module, name)`: the pruned weights become ordinary"
             " weights, whose zeros training may change), or prune the consolidated model after training.")
+
+
+def _refuse_mixed_devices(plan: UnitPlan) -> None:
+    """A unit's parameters share its buffers: they must be on one device (dtypes may differ: mixed_layout.py)."""
+    devices = {p.device for p, _ in plan.params}
+    if len(devices) > 1:
+        names = [_fqn(*locs[0]) for _, locs in plan.params]
+        raise ValueError(f"Unit {plan.name!r} mixes devices {sorted(map(str, devices))} among its parameters {names};"
+                         " give these modules one device before sharding.")
 
 
 def _refuse_sparse_gradients(root: nn.Module) -> None:

@@ -62,8 +62,7 @@ class Entry:
     def local_values(self) -> Tensor:
         """This rank's part of the master parameter (a view of its shard)."""
         assert self.storage is not None
-        lo, hi = self.storage.shard_range(self.storage.slots[self.slot])
-        return self.storage.shard[lo:hi]
+        return self.storage.shard_params[self.slot].detach()
 
 
 @dataclass(eq=False)

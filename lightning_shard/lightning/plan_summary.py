@@ -19,7 +19,9 @@ def _kind(unit: Unit) -> str:
 
 
 def _numel(unit: Unit) -> int:
-    return sum(slot.numel for slot in unit.storage.slots)
+    """Its parameters' elements: a 4-bit weight's before packing, its quantization state not counted."""
+    return sum(slot.quant.shape.numel() if getattr(slot, "quant", None) is not None else slot.numel
+               for slot in unit.storage.slots if slot.locations)
 
 
 def _count(numel: int, millions: bool) -> str:

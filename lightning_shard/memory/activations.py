@@ -77,7 +77,41 @@ def fake_copy(model: nn.Module, batch: Any, fake: FakeTensorMode, device: torch.
         if id(tensor) not in memo:
             memo[id(tensor)] = nn.Parameter(empty(tensor), tensor.requires_grad) if isinstance(
                 tensor, nn.Parameter) else empty(tensor)
-    return copy.deepcopy(model, memo), tree_map(lambda x: empty(x) if isinstance(x, Tensor) else x, batch)
+    shadow = copy.deepcopy(model, memo)
+    for original, module in zip(model.modules(), shadow.modules()):  # 4-bit layers: their memory on plain fakes
+        if type(module).__name__ == "Linear4bit" and type(module).__module__.startswith("bitsandbytes"):
+            state = getattr(original.weight, "quant_state", None)  # (quantized: its weight is packed)
+            with fake:
+                module.weight = nn.Parameter(torch.empty(state.shape if state is not None else original.weight.shape,
+                                                         device=device), requires_grad=False)
+            module.forward = _FourBitLinear(module)
+    return shadow, tree_map(lambda x: empty(x) if isinstance(x, Tensor) else x, batch)
+
+
+class _FourBitLinear:
+    """bitsandbytes' ``Linear4bit`` as its kernels use memory (``MatMul4Bit`` on the CPU): the input in the compute
+    dtype, the weight dequantized (fp32, then the compute dtype) for the product in forward and again in backward,
+    and nothing saved for backward but the packed weight."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __call__(self, x: Tensor) -> Tensor:
+        module = self.module
+        compute = module.compute_dtype or x.dtype
+        bias = module.bias.to(compute) if module.bias is not None else None
+        return _Dequantizing.apply(x.to(compute), module.weight, bias).to(x.dtype)
+
+
+class _Dequantizing(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+        ctx.weight, ctx.dtype = weight, x.dtype
+        return nn.functional.linear(x, weight.float().to(x.dtype), bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], None, Optional[Tensor]]:
+        return grad @ ctx.weight.float().to(ctx.dtype), None, None
 
 
 def _tensors(tree: Any) -> list[Tensor]:

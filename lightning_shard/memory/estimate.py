@@ -52,6 +52,7 @@ from lightning_shard.engine.optimizer_step import DEFAULT_STEP_GROUP_NUMEL
 from lightning_shard.engine.plan import UnitSpec, full_precision_classes, plan_units
 from lightning_shard.memory.activations import activation_bytes
 from lightning_shard.memory.tracker import LiveBytes
+from lightning_shard.memory.units import UnitSize, planned_sizes, sharded_sizes
 
 MiB = 2**20
 
@@ -161,16 +162,13 @@ def estimate_memory(
     # batch norms are units of their own under mixed precision, as shard_module plans them
     plans = plan_units(model, units=units, unit_size=unit_size, min_unit_size=min_unit_size,
                        own_units=full_precision_classes(param_dtype))
-    master = master_dtype or next((p.dtype for p in model.parameters()), torch.float32)
-    param_dtype = param_dtype or master
+    # the dtype of what trains (optimizer state, gradients): a LoRA model's fp32 adapters beside its bf16 base
+    params = list(model.parameters())
+    master = master_dtype or next((p.dtype for p in params if p.requires_grad), params[0].dtype if params
+                                  else torch.float32)
     ranks = {"none": 1, "hybrid": shard_size}.get(sharding, world_size)
-    sizes = []
-    for plan in plans:
-        if plan.numel():
-            shard = math.ceil(plan.numel() / ranks)
-            trainable = sum(p.numel() for p, _ in plan.params if p.requires_grad)
-            sizes.append(UnitSize(shard * ranks, shard, plan.members == [""], max(p.numel() for p, _ in plan.params),
-                                  min(shard, trainable)))
+    sizes = planned_sizes(model, plans, ranks, param_dtype, master_dtype)
+    param_dtype = param_dtype or master
     activations = (activation_bytes(model, step, batch, param_dtype, plans, spec, device, autocast)
                    if step is not None else 0)
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
@@ -199,21 +197,6 @@ class GradsHeld:
 
 
 @dataclass(frozen=True)
-class UnitSize:
-    padded: int  # elements of the gathered (padded) buffer
-    shard: int  # elements of one rank's shard
-    is_root: bool
-    largest: int = 0  # elements of its largest parameter
-    # elements of the shard that train, at most (the optimizer holds state for those alone; a LoRA unit's few may
-    # all lie in one rank's shard); None: all
-    trainable: Optional[int] = None
-
-    @property
-    def stepped(self) -> int:
-        return self.shard if self.trainable is None else self.trainable
-
-
-@dataclass(frozen=True)
 class OptimizerProfile:
     """What the optimizer holds and needs per parameter element, measured on probes."""
 
@@ -228,46 +211,49 @@ def combine(sizes: list[UnitSize], master: torch.dtype, param_dtype: torch.dtype
             step_group_numel: int = DEFAULT_STEP_GROUP_NUMEL, offload: Optional[str] = None,
             held: GradsHeld = GradsHeld()) -> MemoryEstimate:
     """The formula of the module note, from unit sizes (planned, or read off a sharded model)."""
-    b_master, b_param = _size(master), _size(param_dtype)
+    b_master, b_param = _size(master), _size(param_dtype)  # master: what trains (its gradients, its state)
     # gathered buffer = shard
     one_shard = all(u.padded == u.shard for u in sizes)
     aliases = one_shard and param_dtype == master and offload is None
-    shard_total = sum(u.shard for u in sizes)
+    shard_bytes = sum(u.master_bytes for u in sizes)  # counted by dtype (memory/units.py)
     stepped = sum(u.stepped for u in sizes)  # what the optimizer keeps state for (frozen parameters: none)
-    graded = sum(u.shard for u in sizes if u.stepped)  # a unit that trains reduces its whole flat shard
-    root = sum(u.padded for u in sizes if u.is_root)
-    others = sorted((u.padded for u in sizes if not u.is_root), reverse=True)
+    graded = sum(u.graded for u in sizes)  # a unit of one dtype that trains reduces its whole flat shard
+    root = sum(u.gathered_bytes for u in sizes if u.is_root)
+    root_grads = sum(u.grad_numel for u in sizes if u.is_root)
+    others = sorted((u.gathered_bytes for u in sizes if not u.is_root), reverse=True)
     if aliases:
         gathered = 0
     elif sharding in ("full", "hybrid"):
         ahead = 0 if one_shard and offload is None else prefetch  # one shard: each unit cast as it runs (gather.py)
-        gathered = sum(others[: 1 + ahead]) * b_param
+        gathered = sum(others[: 1 + ahead])
     else:  # grad_op keeps every unit gathered from its forward to its backward; none keeps them always
-        gathered = sum(others) * b_param
+        gathered = sum(others)
     # the root's gradients build up through all of backward; a unit's until its reduction (``engine/reduce.py``),
     # which flattens them into the reduce dtype (master's here), computing in another through a concatenation in
     # theirs. The reduction left in flight while the next unit computes is not added: that unit's activations are
     # freed by then, which outweigh it unless activations are tiny
-    largest = max((u.padded for u in sizes if not u.is_root and u.stepped), default=0)
+    largest = max((u.grad_numel for u in sizes if not u.is_root and u.stepped), default=0)
     if aliases:  # one rank in the master dtype: each gradient becomes its shard's as autograd made it
-        grads_in_flight = (largest + root) * b_param
+        grads_in_flight = (largest + root_grads) * b_param
     else:
         casting = b_param if param_dtype != master else 0
-        grads_in_flight = root * b_param + largest * (b_param + b_master + casting)
+        grads_in_flight = root_grads * b_param + largest * (b_param + b_master + casting)
     # accumulated without reduction: summed in the reduction's dtype, the master's here (engine/unsharded_grads.py)
-    unsharded = sum(u.padded for u in sizes) * b_master
+    unsharded = sum(u.grad_numel for u in sizes) * b_master
     if offload is not None:  # the gradient shards go to the host as they are made
         in_forward, in_backward = held.bytes(0, unsharded)
         state, scratch = round(stepped * optimizer.state), step_scratch(sizes, b_master, optimizer, step_group_numel)
+        staged = sum(u.gather_shard_bytes for u in sizes)
         return MemoryEstimate(
-            params=(shard_total * b_param if offload == "optimizer" else 0) + root * b_param,
+            params=(staged if offload == "optimizer" else 0) + root,
             optimizer_state=0, buffers=buffers, grads=0, gathered=gathered, grads_in_flight=grads_in_flight,
             activations=activations, step_scratch=0, grads_in_forward=in_forward, grads_in_backward=in_backward,
-            host_resident=shard_total * (b_master + b_param) + state, host_step=shard_total * b_master + scratch,
+            host_resident=shard_bytes + staged + state,
+            host_step=sum(u.graded if u.mixed else u.shard for u in sizes) * b_master + scratch,
         )
     in_forward, in_backward = held.bytes(graded * b_master, unsharded)
     return MemoryEstimate(
-        params=shard_total * b_master + (0 if aliases else root * b_param),
+        params=shard_bytes + (0 if aliases else root),
         optimizer_state=round(stepped * optimizer.state),
         buffers=buffers,
         grads=graded * b_master,
@@ -300,16 +286,14 @@ def estimate_sharded(runtime: Any, sharding: str, prefetch: int, optimizer: Call
                      whole: bool = False, step_group_numel: int = DEFAULT_STEP_GROUP_NUMEL,
                      held: GradsHeld = GradsHeld()) -> MemoryEstimate:
     """The estimate, activations excluded, of a model already sharded (what the strategy logs at setup)."""
-    sizes = [UnitSize(u.storage.padded_numel, u.storage.shard_numel, u is runtime.root_unit,
-                      max(s.numel for s in u.storage.slots),
-                      min(u.storage.shard_numel, sum(s.numel for s, trains in zip(u.storage.slots,
-                                                                                  u.storage.requires_grad) if trains)))
-             for u in runtime.units]
-    first = runtime.units[0].storage
+    sizes = sharded_sizes(runtime)
+    # what trains decides the gradients' and the optimizer state's dtypes (a LoRA model: its fp32 adapters)
+    first = next((u.storage for u in runtime.units if u.storage.trainable), runtime.units[0].storage)
+    master = next((first.shard_params[i].dtype for i in first.trainable), first.master_dtype)
     buffers = sum(b.numel() * b.element_size() for b in runtime.root.buffers())
-    profile = optimizer_profile(optimizer, first.master_dtype, whole, first.shard.device,  # offloaded: the host
+    profile = optimizer_profile(optimizer, master, whole, first.shard.device,  # offloaded: the host
                                 host_step=first.offloaded)
-    return combine(sizes, first.master_dtype, first.param_dtype, sharding, prefetch, profile, buffers, 0,
+    return combine(sizes, master, first.param_dtype, sharding, prefetch, profile, buffers, 0,
                    step_group_numel, "optimizer" if first.offloaded and first.keep_on_device
                    else "params" if first.offloaded else None, held)
 
