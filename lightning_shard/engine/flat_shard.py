@@ -106,6 +106,8 @@ class FlatShard:
         ]
         self.free()  # views exist now; the storage comes back at the first gather
         self._index_params()
+        # their gradients, taken off for the reduction (held in the reduction's dtype inside no_sync)
+        self.unsharded = UnshardedGrads(self.gathered_params, [s.numel for s in slots], self._padding, self.device)
         # the flat gradient shard and the shard parameters' ``.grad`` views of it, held weakly: the parameters'
         # ``.grad`` keep it alive, so ``zero_grad(set_to_none=True)`` frees it as it does without sharding
         self._shard_grad: Optional[weakref.ref] = None
@@ -128,8 +130,6 @@ class FlatShard:
         self.gathered_ids = frozenset(map(id, self.gathered_params))
         self.trainable = [i for i, s in enumerate(slots) if s.requires_grad]
         self.requires_grad = [s.requires_grad for s in slots]  # as last synced (see sync_requires_grad)
-        # their gradients, taken off for the reduction (held in the reduction's dtype inside no_sync)
-        self.unsharded = UnshardedGrads(self.gathered_params, [s.numel for s in slots], self._padding, self.device)
         self._both_params = self.shard_params + self.gathered_params  # compared in one pass at every use of the unit
         self._both_requires_grad = self.requires_grad * 2
 
@@ -152,6 +152,11 @@ class FlatShard:
         if slot.requires_grad:
             _refuse_autograd_grads(param, slot)
         return param
+
+    def own_gather_ranges(self) -> list[tuple[int, int]]:
+        """Each slot's part of this rank's piece of the gathered buffer (its offsets there, in the buffer's
+        elements; may be empty)."""
+        return self.shard_ranges
 
     def master_values(self, gathered_masters: Tensor) -> list[Tensor]:
         """Each slot's full master values (its shape), out of every rank's master shard gathered rank-major."""

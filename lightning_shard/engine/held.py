@@ -123,6 +123,11 @@ class HeldUnits:
             if storage.aliases_shard:  # the buffer is the shard: written already
                 continue
             own, changed = _own_part_changed(unit)
+            if bool(changed.any()) and storage.master_dtype != storage.shard.dtype:  # bytes (mixed_shard.py)
+                raise RuntimeError(
+                    f"lightning_shard: keep_gathered(modifier_rank=...) wrote into unit {unit.name!r}, whose"
+                    " parameters are of several dtypes (a bf16 base beside fp32 adapters, 4-bit weights): their"
+                    " writes are not taken back into the shards. Make the change before sharding, or in training.")
             if bool(changed.any()):
                 master = storage.shard
                 master.copy_(torch.where(changed.to(master.device), own.to(master.device, master.dtype), master))
@@ -156,4 +161,5 @@ def _slots_written(unit: Unit, versions: list[int]) -> list[bool]:
         return [False] * len(unit.storage.slots)
     _, changed = _own_part_changed(unit)
     return [param._version != before or bool(changed[lo:hi].any())
-            for param, before, (lo, hi) in zip(unit.storage.gathered_params, versions, unit.storage.shard_ranges)]
+            for param, before, (lo, hi) in zip(unit.storage.gathered_params, versions,
+                                               unit.storage.own_gather_ranges())]

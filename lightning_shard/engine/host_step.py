@@ -93,8 +93,9 @@ class HostStepper:
         the units were stepped), and the step stays as it is."""
         self.disarm()
         optimizer: Optimizer = step.optimizer
-        if step.whole or not self.units or not all(unit.storage.offloaded for unit in self.units):
-            return False
+        if step.whole or not self.units or not all(getattr(unit.storage, "steps_overlapped", False)
+                                                   for unit in self.units):
+            return False  # (a unit of several dtypes, or one not offloaded)
         if optimizer._optimizer_step_pre_hooks or any(not isinstance(getattr(hook, "__self__", None), StepWatch)
                                                       for hook in _global_optimizer_pre_hooks.values()):
             return False  # (not the runtime's own: it checks at the step what the decision checked already)

@@ -28,6 +28,7 @@ from lightning_shard.engine import quantized
 from lightning_shard.engine.flat_shard import FlatShard, _refuse_autograd_grads
 from lightning_shard.engine.mixed_layout import MixedLayout, MixedSlot, master_layout, part
 from lightning_shard.engine.offload import HostShard
+from lightning_shard.engine.unsharded_grads import UnshardedGrads
 
 
 class MixedShard(FlatShard):
@@ -70,6 +71,7 @@ class MixedShard(FlatShard):
         self.gathered_params = self._gathered_params()
         self.free()
         self._index_params()
+        self.unsharded = MixedUnshardedGrads(self)
         self._shard_grad: Optional[weakref.ref] = None  # no flat gradient shard: each slot's .grad is its own
         self._shard_grad_views: dict[int, weakref.ref] = {}
         self._grad_layout_of: Optional[tuple] = None
@@ -159,7 +161,7 @@ class MixedShard(FlatShard):
     def shard_for_gather(self) -> Tensor:
         """The rank's range of its own master shard, the cast slots' parts cast into their places there first (bytes
         nothing else reads): no copy of the rest, which a LoRA unit's frozen base is."""
-        self._write_casts(self.shard)
+        self._write_casts(self.shard.data)  # (derived bytes: not a write to the shard its version counter should see)
         return self.shard[: self.shard_numel]
 
     def write_gather_input(self, out: Tensor) -> None:
@@ -237,6 +239,71 @@ class MixedShard(FlatShard):
                 shard.grad.add_(grad)
 
 
+    def own_gather_ranges(self) -> list[tuple[int, int]]:
+        ranges = []
+        for slot in self.slots:
+            lo = max(slot.offset - self.shard_start, 0)
+            hi = min(slot.offset + slot.gather_nbytes - self.shard_start, self.shard_numel)
+            ranges.append((lo, hi) if hi > lo else (0, 0))
+        return ranges
+
+    # -- writes from outside the optimizer (flat_shard.py writes them back; here they are refused) ----------
+    def write_back(self) -> None:
+        """A write into the gathered copy (a constraint ``p.data.clamp_()``, ``p.data = ...``) is not written back to
+        a unit of several dtypes: refused by name, rather than lost. This rank's part of the gathered bytes is what
+        it sent (:meth:`write_gather_input`) unless something wrote it."""
+        rebound = [s.names[0] for s, p in zip(self.slots, self.gathered_params)
+                   if p.untyped_storage().data_ptr() != self.gathered.untyped_storage().data_ptr()]
+        local = self.gathered_data[self.shard_start : self.shard_start + self.shard_numel]
+        sent = torch.empty_like(local)
+        self.write_gather_input(sent)
+        if rebound or not torch.equal(local, sent):
+            written = rebound or [s.names[0] for s in self.slots if s.gather_nbytes and _written(s, self, local, sent)]
+            raise RuntimeError(
+                f"lightning_shard: {written[:4]} were written outside the optimizer (a weight constraint,"
+                " `p.data = ...`) in a unit of several dtypes (a bf16 base beside fp32 adapters, 4-bit weights), which"
+                " does not keep such writes. Make the change before sharding, or inside the optimizer's step.")
+
+    def adopt_rebound_shards(self, alike_on_every_rank: bool = False) -> bool:
+        home = self.shard.untyped_storage().data_ptr()
+        rebound = [s.names[0] for s, p in zip(self.slots, self.shard_params) if p.untyped_storage().data_ptr() != home]
+        if rebound:
+            raise RuntimeError(
+                f"lightning_shard: {rebound[:4]} were given other tensors (`p.data = ...`) in a unit of several dtypes"
+                " (a bf16 base beside fp32 adapters, 4-bit weights), which does not take them. Write into them in"
+                " place (`p.data.copy_(...)`, under torch.no_grad()), or make the change before sharding.")
+        return False
+
+
+def _written(slot: MixedSlot, storage: MixedShard, local: Tensor, sent: Tensor) -> bool:
+    """Whether this rank's part of ``slot`` differs between the gathered bytes and those it sent."""
+    lo, hi = slot.offset - storage.shard_start, slot.offset - storage.shard_start + slot.gather_nbytes
+    lo, hi = max(lo, 0), min(hi, storage.shard_numel)
+    return hi > lo and not torch.equal(local[lo:hi], sent[lo:hi])
+
+
+class MixedUnshardedGrads(UnshardedGrads):
+    """A unit of several dtypes: its trainable parameters' gradients in its own layout (each rank's part of each,
+    rank-major: :meth:`MixedShard.take_unsharded_grads`), summed over micro-batches in the reduction's dtype inside
+    ``no_sync`` as :class:`UnshardedGrads` does."""
+
+    def __init__(self, storage: MixedShard) -> None:
+        self.storage = storage
+        self.params = storage.gathered_params
+        self._held = None
+
+    def take(self, dtype: torch.dtype) -> tuple[Tensor, list[int], list[Tensor]]:
+        flat, used, taken = self.storage.take_unsharded_grads(dtype)
+        if self._held is not None:
+            (held, held_used), self._held = self._held, None
+            held.add_(flat)  # (the same layout, unless what trains changed between micro-batches)
+            return held, sorted(held_used.union(used)), taken
+        return flat, used, taken
+
+
 class HostMixedShard(HostShard, MixedShard):
     """A :class:`MixedShard` offloaded: HostShard's host-side behaviour over MixedShard's byte layout (its staging
-    copy is the gather input, which MixedShard writes)."""
+    copy is the gather input, which MixedShard writes). Not stepped as its gradients land (host_step.py): its staging
+    copy is bytes that the overlapped step's device copy does not make."""
+
+    steps_overlapped = False

@@ -108,6 +108,7 @@ class HostShard(FlatShard):
     state) lives in host memory; ``keep_on_device``: the compute-dtype shard stays on the device between steps."""
 
     offloaded = True
+    steps_overlapped = True  # its optimizer step may run as its gradients land (host_step.py)
 
     def __init__(self, slots: list[ParamSlot], flat: Tensor, rank: int, world_size: int,
                  param_dtype: Optional[torch.dtype] = None, *, keep_on_device: bool) -> None:

@@ -140,7 +140,7 @@ def shard_module(
         mixed = is_mixed(plan)
         slots, flat = (flatten_mixed(module, plan, computes_in, _fqn, groups.shard_size, trainable_loads) if mixed
                        else _flatten(module, plan))
-        for slot in slots:
+        for slot in slots.slots if mixed else slots:
             for owner, _ in slot.locations:
                 adopt(owner)  # before the storage records the dict its parameters are registered in
         plan.params.clear()  # the unit's full tensors go with their last reference
