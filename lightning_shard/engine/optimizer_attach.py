@@ -23,7 +23,7 @@ from lightning_shard.engine.collectives import CommStats
 from lightning_shard.engine.fused_default import FusedWhereUnchosen, fused_by_default
 from lightning_shard.engine.groups import ShardGroups
 from lightning_shard.engine.norms import check_norm_type
-from lightning_shard.engine.offload import prepare_host_step
+from lightning_shard.engine.host_optimizer import prepare_host_step
 from lightning_shard.engine.optimizer_step import DEFAULT_STEP_GROUP_NUMEL, ShardedStep, refuse_foreign
 from lightning_shard.engine.unit import Unit
 

@@ -47,7 +47,8 @@ from torch import Tensor, nn
 from lightning_shard.engine.activation_checkpointing import CheckpointSpec, validate_activation_checkpointing
 from lightning_shard.engine.fused_default import FusedWhereUnchosen, fused_by_default
 from lightning_shard.engine.groups import validate_shard_size, validate_sharding
-from lightning_shard.engine.offload import host_step_fused, validate_offload
+from lightning_shard.engine.host_optimizer import host_step_fused
+from lightning_shard.engine.offload import validate_offload
 from lightning_shard.engine.optimizer_step import DEFAULT_STEP_GROUP_NUMEL
 from lightning_shard.engine.plan import UnitSpec, full_precision_classes, plan_units
 from lightning_shard.memory.activations import activation_bytes
