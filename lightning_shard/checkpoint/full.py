@@ -10,7 +10,8 @@ error rather than silently mangled.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator, Mapping, Set as AbstractSet
+from collections.abc import Iterator, Mapping
+from collections.abc import Set as AbstractSet
 from contextlib import contextmanager
 from typing import Any
 
@@ -21,9 +22,9 @@ from torch.optim import Optimizer
 
 from lightning_shard.checkpoint.sources import TensorSource
 from lightning_shard.checkpoint.weights import load_into
-from lightning_shard.engine import collectives
-from lightning_shard.engine.flat_shard import FlatShard, ParamSlot
-from lightning_shard.engine.hooks import ShardRuntime
+from lightning_shard.engine.comm import collectives
+from lightning_shard.engine.runtime.hooks import ShardRuntime
+from lightning_shard.engine.storage.flat_shard import FlatShard, ParamSlot
 
 
 def gather_master(runtime: ShardRuntime, storage: FlatShard) -> Tensor:

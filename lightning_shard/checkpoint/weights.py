@@ -12,7 +12,7 @@ from torch.nn.modules.instancenorm import _InstanceNorm
 from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX, _IncompatibleKeys
 
 from lightning_shard.checkpoint.files import CheckpointError
-from lightning_shard.engine.hooks import ShardRuntime
+from lightning_shard.engine.runtime.hooks import ShardRuntime
 
 
 @torch.no_grad()

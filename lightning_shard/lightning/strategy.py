@@ -24,16 +24,15 @@ from torch.optim import Optimizer
 
 from lightning_shard.checkpoint.hf import init_peft_adapters
 from lightning_shard.checkpoint.io import validate_state_dict_type
-from lightning_shard.engine.activation_checkpointing import CheckpointSpec, validate_activation_checkpointing
-from lightning_shard.engine.compile import refuse_with_elision, validate_compile
-from lightning_shard.engine.groups import validate_shard_size, validate_sharding
-from lightning_shard.engine.hooks import ShardRuntime
-from lightning_shard.engine.offload import validate_offload
-from lightning_shard.lightning.offload_overlap import arm_for_step, overlap_clip, restage_each_step
-from lightning_shard.engine.optimizer_step import DEFAULT_STEP_GROUP_NUMEL
-from lightning_shard.engine.optimizers import WHOLE, optimizer_kind
-from lightning_shard.engine.plan import UnitSpec, validate_min_unit_size, validate_unit_size, validate_units
+from lightning_shard.engine.comm.groups import validate_shard_size, validate_sharding
+from lightning_shard.engine.optim.optimizer_step import DEFAULT_STEP_GROUP_NUMEL
+from lightning_shard.engine.optim.optimizers import WHOLE, optimizer_kind
+from lightning_shard.engine.plan.plan import UnitSpec, validate_min_unit_size, validate_unit_size, validate_units
+from lightning_shard.engine.runtime.activation_checkpointing import CheckpointSpec, validate_activation_checkpointing
+from lightning_shard.engine.runtime.compile import refuse_with_elision, validate_compile
+from lightning_shard.engine.runtime.hooks import ShardRuntime
 from lightning_shard.engine.shard_module import shard_module
+from lightning_shard.engine.storage.offload import validate_offload
 from lightning_shard.lightning.after_step import after_step, frees_grads_after_step
 from lightning_shard.lightning.checkpointing import CheckpointState
 from lightning_shard.lightning.evaluation import EvaluationHold
@@ -45,6 +44,7 @@ from lightning_shard.lightning.guards import (
     refuse_weight_averaging,
 )
 from lightning_shard.lightning.memory_report import report_memory_estimate
+from lightning_shard.lightning.offload_overlap import arm_for_step, overlap_clip, restage_each_step
 from lightning_shard.lightning.options import (
     check_count,
     check_declared_optimizers,
@@ -54,8 +54,12 @@ from lightning_shard.lightning.options import (
     check_units_or_size,
 )
 from lightning_shard.lightning.plan_summary import plan_listing, plan_summary
-from lightning_shard.lightning.precision import MixedPrecision, ShardPrecision, validate_mixed_precision
-from lightning_shard.lightning.precision import shard_precision_of
+from lightning_shard.lightning.precision import (
+    MixedPrecision,
+    ShardPrecision,
+    shard_precision_of,
+    validate_mixed_precision,
+)
 from lightning_shard.lightning.process_group import ProcessGroupMixin
 from lightning_shard.lightning.summary import summarize_in_full_shapes
 from lightning_shard.memory.estimate import MemoryEstimate
@@ -110,9 +114,9 @@ class ShardStrategy(ProcessGroupMixin, EvaluationHold, CheckpointState, Parallel
             kind loads on any number of ranks and under any unit policy; see ``lightning_shard.checkpoint.consolidate``.
         offload: ``"optimizer"`` keeps the fp32 master weights, their gradients and the optimizer state in host
             memory and steps the optimizer on the CPU (ZeRO-Offload); ``"params"`` also keeps no shard on the device
-            between steps (FSDP2's CPUOffloadPolicy). Same numbers as without; see ``engine/offload.py``.
+            between steps (FSDP2's CPUOffloadPolicy). Same numbers as without; see ``engine/storage/offload.py``.
         offload_overlap: with ``offload``, the CPU steps each unit as its gradient lands, during backward
-            (``engine/host_step.py``), where no hook of yours runs between backward and step
+            (``engine/optim/host_step.py``), where no hook of yours runs between backward and step
             (``lightning/offload_overlap.py``). ``False``: the step after the backward, as before.
         save_frozen: ``False`` leaves frozen parameters out of checkpoints (a LoRA run's base: a checkpoint of the
             adapter and its optimizer state), with a fingerprint of each; restoring needs the same base loaded
@@ -124,7 +128,7 @@ class ShardStrategy(ProcessGroupMixin, EvaluationHold, CheckpointState, Parallel
             (its shape, norms, row/column statistics: LAMB, LARS, Shampoo-like) and no other parameter: each
             parameter is stepped whole, in its real shape, on one owner rank, which holds its state.
             ``torch.optim.Muon`` and ``torch.optim.Adafactor`` are known already. An optimizer neither known nor
-            declared is refused at setup, naming both options (see ``engine/optimizers.py``).
+            declared is refused at setup, naming both options (see ``engine/optim/optimizers.py``).
         step_group_size: parameter elements per rank that one optimizer step updates at once (DeepSpeed
             ZeRO-3's ``sub_group_size``): the step runs group by group, so its temporaries are one group's, not
             the model's, with the same numbers (for ``torch._foreach`` implementations, the GPU default; on the

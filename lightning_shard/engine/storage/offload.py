@@ -33,7 +33,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor, nn
 
-from lightning_shard.engine.flat_shard import FlatShard, ParamSlot
+from lightning_shard.engine.storage.flat_shard import FlatShard, ParamSlot
 
 OFFLOAD = (None, "optimizer", "params")
 

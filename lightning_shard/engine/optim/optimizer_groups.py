@@ -31,8 +31,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_shard.engine import collectives
-from lightning_shard.engine.collectives import CommStats
+from lightning_shard.engine.comm import collectives
+from lightning_shard.engine.comm.collectives import CommStats
 
 _COMPARED = (bool, int, float, str, type(None))  # options compared across ranks (a tensor `lr` is not)
 

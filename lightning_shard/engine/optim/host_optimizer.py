@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_shard.engine.fused_default import fused_kernels_on
+from lightning_shard.engine.optim.fused_default import fused_kernels_on
 
 DEVICE_ONLY_PACKAGES = ("bitsandbytes", "apex", "transformer_engine", "torchao")
 

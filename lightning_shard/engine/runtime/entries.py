@@ -10,8 +10,8 @@ from typing import Any, Callable, Optional
 
 from torch import nn
 
-from lightning_shard.engine.arguments import cast_floating, flatten_arguments, in_backward, needs_cast
-from lightning_shard.engine.unit import Unit
+from lightning_shard.engine.runtime.arguments import cast_floating, flatten_arguments, in_backward, needs_cast
+from lightning_shard.engine.storage.unit import Unit
 
 
 def entry_modules(root: nn.Module, owners: list[nn.Module]) -> list[nn.Module]:

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_shard.engine.flat_shard import FlatShard
+from lightning_shard.engine.storage.flat_shard import FlatShard
 
 SHARDS, VIEWS, OWNERS = "shards", "views", "owners"
 

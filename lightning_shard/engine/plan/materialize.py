@@ -42,7 +42,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from lightning_shard.engine.plan import UnitPlan
+from lightning_shard.engine.plan.plan import UnitPlan
 
 
 class Materializer:

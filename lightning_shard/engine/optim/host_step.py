@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.optim.optimizer import _global_optimizer_pre_hooks
 
-from lightning_shard.engine.host_step_state import (
+from lightning_shard.engine.optim.host_step_state import (
     Backup,
     copy_state,
     outside_params,
@@ -39,10 +39,10 @@ from lightning_shard.engine.host_step_state import (
     same_options,
     written_outside,
 )
-from lightning_shard.engine.host_worker import HostWorker
-from lightning_shard.engine.optimizer_step import _raw_step
-from lightning_shard.engine.step_plan import params_key
-from lightning_shard.engine.unit import Unit
+from lightning_shard.engine.optim.host_worker import HostWorker
+from lightning_shard.engine.optim.optimizer_step import _raw_step
+from lightning_shard.engine.optim.step_plan import params_key
+from lightning_shard.engine.storage.unit import Unit
 
 SPECULATIVE_SHARE = 0.5  # at most this share of the optimizer's elements stepped before the decision (backed up)
 

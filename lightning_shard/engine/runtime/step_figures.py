@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from lightning_shard.engine.collectives import CommStats
+from lightning_shard.engine.comm.collectives import CommStats
 
 
 class StepFigures:

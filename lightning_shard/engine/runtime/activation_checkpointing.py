@@ -20,11 +20,11 @@ import torch
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
-from lightning_shard.engine.plan import UnitSpec, class_matches, validate_units
-from lightning_shard.engine.trees import flatten
+from lightning_shard.engine.plan.plan import UnitSpec, class_matches, validate_units
+from lightning_shard.engine.runtime.trees import flatten
 
 if TYPE_CHECKING:
-    from lightning_shard.engine.unit import Unit
+    from lightning_shard.engine.storage.unit import Unit
 
 CheckpointSpec = Union[bool, UnitSpec, Sequence[UnitSpec], None]
 

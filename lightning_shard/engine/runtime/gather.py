@@ -18,10 +18,10 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from lightning_shard.engine import collectives
-from lightning_shard.engine.collectives import CommStats, Pending
-from lightning_shard.engine.streams import Streams
-from lightning_shard.engine.unit import Unit
+from lightning_shard.engine.comm import collectives
+from lightning_shard.engine.comm.collectives import CommStats, Pending
+from lightning_shard.engine.comm.streams import Streams
+from lightning_shard.engine.storage.unit import Unit
 
 
 class GatherSchedule:

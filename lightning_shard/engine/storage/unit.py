@@ -6,8 +6,8 @@ from typing import Optional
 
 from torch import nn
 
-from lightning_shard.engine.collectives import Pending
-from lightning_shard.engine.flat_shard import FlatShard
+from lightning_shard.engine.comm.collectives import Pending
+from lightning_shard.engine.storage.flat_shard import FlatShard
 
 
 class Unit:

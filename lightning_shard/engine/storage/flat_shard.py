@@ -23,9 +23,8 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor, nn
 
-from lightning_shard.engine.unsharded_grads import UnshardedGrads
-
-from lightning_shard.engine.outside import GatheredParameters, ShardParameters
+from lightning_shard.engine.storage.outside import GatheredParameters, ShardParameters
+from lightning_shard.engine.storage.unsharded_grads import UnshardedGrads
 
 
 @dataclass(frozen=True)
@@ -41,7 +40,7 @@ class ParamSlot:
 
 
 class FlatShard:
-    offloaded = False  # the master shard in host memory, stepped there (engine/offload.py)
+    offloaded = False  # the master shard in host memory, stepped there (engine/storage/offload.py)
     shard_parameter: type = nn.Parameter  # the class of the shard parameters
 
     def __init__(
@@ -115,7 +114,7 @@ class FlatShard:
         self._shards_in_tree = [(parameters, shards) for parameters, shards, _ in in_tree.values()]
         self._gathered_in_tree = [(parameters, gathered) for parameters, _, gathered in in_tree.values()]
         self.trees = [parameters for parameters, _, _ in in_tree.values()]
-        # the dicts holding this unit's parameters only, whose class follows its state (engine/outside.py)
+        # the dicts holding this unit's parameters only, whose class follows its state (engine/storage/outside.py)
         self.sole_trees: list[dict] = []
         self.gathered_ids = frozenset(map(id, self.gathered_params))
         self.trainable = [i for i, s in enumerate(slots) if s.requires_grad]

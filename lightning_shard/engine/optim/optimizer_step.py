@@ -28,13 +28,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_shard.engine import collectives
-from lightning_shard.engine.collectives import CommStats, Pending
-from lightning_shard.engine.flat_shard import FlatShard
-from lightning_shard.engine.groups import ShardGroups
-from lightning_shard.engine.fused_default import FusedWhereUnchosen
-from lightning_shard.engine.optimizer_groups import agree_on_groups
-from lightning_shard.engine.step_plan import OWNERS, SHARDS, VIEWS, Bucket, Entry, StepPlan, params_key, plan_step
+from lightning_shard.engine.comm import collectives
+from lightning_shard.engine.comm.collectives import CommStats, Pending
+from lightning_shard.engine.comm.groups import ShardGroups
+from lightning_shard.engine.optim.fused_default import FusedWhereUnchosen
+from lightning_shard.engine.optim.optimizer_groups import agree_on_groups
+from lightning_shard.engine.optim.step_plan import OWNERS, SHARDS, VIEWS, Bucket, Entry, StepPlan, params_key, plan_step
+from lightning_shard.engine.storage.flat_shard import FlatShard
 
 DEFAULT_STEP_GROUP_NUMEL = 2**25  # parameter elements per rank stepped at once (128 MiB of fp32 per state tensor)
 

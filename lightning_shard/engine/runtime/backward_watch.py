@@ -21,9 +21,9 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from lightning_shard.engine.reduce import GradientReducer
-from lightning_shard.engine.trees import leaves
-from lightning_shard.engine.unit import Unit
+from lightning_shard.engine.runtime.reduce import GradientReducer
+from lightning_shard.engine.runtime.trees import leaves
+from lightning_shard.engine.storage.unit import Unit
 
 _GRAD = attrgetter("grad")
 

@@ -19,13 +19,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_shard.engine.collectives import CommStats
-from lightning_shard.engine.fused_default import FusedWhereUnchosen, fused_by_default
-from lightning_shard.engine.groups import ShardGroups
-from lightning_shard.engine.norms import check_norm_type
-from lightning_shard.engine.host_optimizer import prepare_host_step
-from lightning_shard.engine.optimizer_step import DEFAULT_STEP_GROUP_NUMEL, ShardedStep, refuse_foreign
-from lightning_shard.engine.unit import Unit
+from lightning_shard.engine.comm.collectives import CommStats
+from lightning_shard.engine.comm.groups import ShardGroups
+from lightning_shard.engine.optim.fused_default import FusedWhereUnchosen, fused_by_default
+from lightning_shard.engine.optim.host_optimizer import prepare_host_step
+from lightning_shard.engine.optim.norms import check_norm_type
+from lightning_shard.engine.optim.optimizer_step import DEFAULT_STEP_GROUP_NUMEL, ShardedStep, refuse_foreign
+from lightning_shard.engine.storage.unit import Unit
 
 
 class OptimizerAttachment:
@@ -171,7 +171,7 @@ class RuntimeOptimizers:
 
     def arm_host_step(self, optimizer: torch.optim.Optimizer, max_norm: Optional[float] = None,
                       norm_type: float = 2.0) -> bool:
-        """Offload: step each unit on the CPU as its gradient lands in the next backward (engine/host_step.py), for
+        """Offload: step each unit on the CPU as its gradient lands in the next backward (engine/optim/host_step.py), for
         ``optimizer`` (attached, elementwise), whose ``step`` must follow that backward with nothing in between
         touching gradients, parameters or param groups, except ``clip_grad_norm_(its parameters, max_norm,
         norm_type)`` when ``max_norm`` is given. Every rank must call it alike. Returns whether it is armed (not

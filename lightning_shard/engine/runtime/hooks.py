@@ -9,9 +9,7 @@ Per unit, per step (``full`` sharding)::
                hand the gradient shards to the shard parameters, free everything
 
 Note: the root unit has no forward of its own in Lightning (``training_step`` is not ``forward``), so a
-*step* is the root's scope: the strategy wraps each ``*_step`` in :meth:`ShardRuntime.run_step`, and the
-root module's own forward does the same when called outside a step. The root unit stays gathered from
-the start of a step until its backward has finished, since backward begins with it.
+*step* is the root's scope (step_scope.py).
 
 Note: every rank must run the same units in the same order, as with any FSDP: collectives are issued
 from hooks, and their order is the order in which the hooks fire.
@@ -26,38 +24,32 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor, nn
 
-from lightning_shard.engine.arguments import (
-    cast_floating,
-    explain_mixed_dtype_on_cpu,
-    expects_backward,
-    flatten_arguments,
-    in_backward,
-    needs_cast,
-)
-from lightning_shard.engine.backward_watch import refuse_unseen_gradients, watch_inputs, watch_outputs
-from lightning_shard.engine.collectives import CommStats
-from lightning_shard.engine.compile import run_eagerly
-from lightning_shard.engine.elision import BackwardElision
-from lightning_shard.engine.entries import ModelEntries
-from lightning_shard.engine.gather import GatherSchedule
-from lightning_shard.engine.groups import ShardGroups
-from lightning_shard.engine.guards import ModuleGuards
-from lightning_shard.engine.held import HeldUnits
-from lightning_shard.engine.host_step import HostStepper
-from lightning_shard.engine.optimizer_attach import OptimizerAttachment, RuntimeOptimizers
-from lightning_shard.engine.outside import OutsideReads, keep_returned
-from lightning_shard.engine.norms import RuntimeNorms
-from lightning_shard.engine.reduce import GradientReducer
-from lightning_shard.engine.step_figures import StepFigures
-from lightning_shard.engine.step_watch import StepWatch
-from lightning_shard.engine.streams import streams_for
-from lightning_shard.engine.unit import Unit
+from lightning_shard.engine.comm.collectives import CommStats
+from lightning_shard.engine.comm.groups import ShardGroups
+from lightning_shard.engine.comm.streams import streams_for
+from lightning_shard.engine.optim.host_step import HostStepper
+from lightning_shard.engine.optim.norms import RuntimeNorms
+from lightning_shard.engine.optim.optimizer_attach import OptimizerAttachment, RuntimeOptimizers
+from lightning_shard.engine.optim.step_watch import StepWatch
+from lightning_shard.engine.runtime.arguments import cast_floating, flatten_arguments, in_backward, needs_cast
+from lightning_shard.engine.runtime.backward_watch import refuse_unseen_gradients, watch_inputs, watch_outputs
+from lightning_shard.engine.runtime.compile import run_eagerly
+from lightning_shard.engine.runtime.elision import BackwardElision
+from lightning_shard.engine.runtime.entries import ModelEntries
+from lightning_shard.engine.runtime.gather import GatherSchedule
+from lightning_shard.engine.runtime.guards import ModuleGuards
+from lightning_shard.engine.runtime.held import HeldUnits
+from lightning_shard.engine.runtime.reduce import GradientReducer
+from lightning_shard.engine.runtime.step_figures import StepFigures
+from lightning_shard.engine.runtime.step_scope import StepScope
+from lightning_shard.engine.storage.outside import OutsideReads, keep_returned
+from lightning_shard.engine.storage.unit import Unit
 
 # Set to 1 (the test suite does) to check on the CPU that every hand-over between streams is in place.
 CHECK_STREAMS = "LIGHTNING_SHARD_CHECK_STREAMS"
 
 
-class ShardRuntime(HeldUnits, ModelEntries, RuntimeOptimizers, RuntimeNorms, ModuleGuards):
+class ShardRuntime(StepScope, HeldUnits, ModelEntries, RuntimeOptimizers, RuntimeNorms, ModuleGuards):
     def __init__(
         self,
         root: nn.Module,
@@ -129,83 +121,6 @@ class ShardRuntime(HeldUnits, ModelEntries, RuntimeOptimizers, RuntimeNorms, Mod
     def order(self) -> list[Unit]:
         """The forward order of units on the last step."""
         return self.schedule.order
-
-    # -- steps (the root's scope) -------------------------------------------------------------------
-    def run_step(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Run one ``*_step`` as the root's scope (see the module note)."""
-        self._steps_driven = True
-        self._enter_step(step=True)
-        output, failed = None, True
-        try:
-            output = step(*args, **kwargs)
-            failed = False
-            return output
-        except RuntimeError as err:
-            explain_mixed_dtype_on_cpu(err, self.units)
-            raise
-        finally:
-            self._exit_step(output, failed)
-
-    def _enter_step(self, step: bool) -> None:
-        """``step``: a training/eval step every rank runs (``run_step``, or a root forward where no one calls
-        ``run_step``), not a forward outside the steps (a callback's sample on rank 0): only a step runs the
-        ranks' agreements (the trainable parameters, the buffers), which every rank must join."""
-        if self._held and self._depth == 0:
-            if torch.is_grad_enabled():
-                raise RuntimeError(
-                    "lightning_shard: a forward with gradients inside keep_gathered(): held units run no collective,"
-                    " so their gradients would never be reduced. Leave keep_gathered() to train, or run this forward"
-                    " under torch.no_grad() (evaluation, generation).")
-            self._depth += 1
-            return
-        if self._depth == 0 and self._final_callback_queued and not in_backward():
-            self._recover_from_failed_backward()
-        if self._depth == 0 and not self._final_callback_queued:
-            self._joined_by_all = step and self.groups.shard_size > 1  # every rank runs it: may agree at its end
-            if not self.reducer.left_unreduced:
-                refuse_unseen_gradients(self.units, self.reducer, "a step's start")
-            # a previous step that ran no backward may have left units gathered: their data may be stale
-            for unit in self.units:
-                self.schedule.reshard(unit, keep_storage=self._backward_graph_kept)
-                if self.restage_each_step:
-                    unit.storage.shards_changed()  # offload: copied from the master again, whatever wrote it since
-                unit.forget_calls()
-                unit.read_outside = unit.returned_parameters = False
-            for unit in self.units:
-                self._follow_requires_grad(unit)
-            if step and self.world_size > 1 and torch.is_grad_enabled():
-                self.reducer.compare_trainable()
-            if step and self.broadcast_buffers:
-                if self._buffers_stale:
-                    self.sync_buffers()
-                # DDP's broadcast_buffers: the next step starts from rank 0's buffers if this one may change them
-                self._buffers_stale = torch.is_grad_enabled() and self.reducer.sync_grads
-            if torch.is_grad_enabled():
-                self.figures.forward_since_step = True
-            if self.root_unit is not None:
-                self.schedule.gather(self.root_unit, exposed=True)
-            self.schedule.start_forward()
-            self.elision.start_forward()
-        self._depth += 1
-
-    def _exit_step(self, output: Any, failed: bool = False) -> None:
-        """``failed``: the step is raising (on this rank only, maybe): nothing is agreed, the error goes on."""
-        if self._depth == 0:  # its _enter_step raised (the root's forward hook runs even so)
-            return
-        self._depth -= 1
-        if self._depth > 0 or self._held:
-            return
-        self.elision.end_forward()
-        self.schedule.record_order()
-        if self._final_callback_queued:
-            return
-        if not expects_backward(output):
-            for unit in self.units:
-                self.schedule.reshard(unit, keep_storage=self._backward_graph_kept)
-            if self._joined_by_all and not failed:  # (a backward compares them as it ends)
-                self.schedule.compare_issued(self.groups.agreements)
-        elif self.root_unit is not None:  # gathered again should a backward begin after one freed it (retain_graph)
-            watch_outputs(output, lambda _: self._pre_backward(self.root_unit))
 
     def after_optimizer_step(self) -> None:
         """Close the step's communication figures; re-gather units still gathered (manual optimization)."""

@@ -34,12 +34,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_shard.engine import collectives
-from lightning_shard.engine.collectives import CommStats, Pending
-from lightning_shard.engine.gather import GatherSchedule, different_gathers
-from lightning_shard.engine.groups import ShardGroups
-from lightning_shard.engine.streams import Streams
-from lightning_shard.engine.unit import Unit
+from lightning_shard.engine.comm import collectives
+from lightning_shard.engine.comm.collectives import CommStats, Pending
+from lightning_shard.engine.comm.groups import ShardGroups
+from lightning_shard.engine.comm.streams import Streams
+from lightning_shard.engine.runtime.gather import GatherSchedule, different_gathers
+from lightning_shard.engine.storage.unit import Unit
 
 MAX_PENDING_REDUCTIONS = 1  # overlapping the next unit's backward
 

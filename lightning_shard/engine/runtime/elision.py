@@ -29,10 +29,10 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from lightning_shard.engine import collectives
-from lightning_shard.engine.collectives import CommStats
-from lightning_shard.engine.gather import GatherSchedule
-from lightning_shard.engine.unit import Unit
+from lightning_shard.engine.comm import collectives
+from lightning_shard.engine.comm.collectives import CommStats
+from lightning_shard.engine.runtime.gather import GatherSchedule
+from lightning_shard.engine.storage.unit import Unit
 
 
 class BackwardElision:

@@ -11,7 +11,7 @@ from typing import Optional
 
 from torch import nn
 
-from lightning_shard.engine.unit import Unit
+from lightning_shard.engine.storage.unit import Unit
 
 
 def misaligned_mirrors(root: nn.Module, units: list[Unit], limit: int = 3) -> Optional[str]:

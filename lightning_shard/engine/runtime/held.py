@@ -20,8 +20,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from lightning_shard.engine import collectives
-from lightning_shard.engine.unit import Unit
+from lightning_shard.engine.comm import collectives
+from lightning_shard.engine.storage.unit import Unit
 
 _SAME_SIZE_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

@@ -20,8 +20,7 @@ from torch import Tensor
 from torch.optim.swa_utils import get_swa_avg_fn, get_swa_multi_avg_fn
 from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
 
-from lightning_shard.engine.hooks import ShardRuntime
-
+from lightning_shard.engine.runtime.hooks import ShardRuntime
 
 # averages the current tensors into the averages in place, given the updates before this one (at least one)
 AverageUpdate = Callable[[list[Tensor], list[Tensor], int], None]

@@ -19,7 +19,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from lightning_shard.engine.unit import Unit
+from lightning_shard.engine.storage.unit import Unit
+
 
 def run_eagerly(hook: Callable[..., Any]) -> Callable[..., Any]:
     """``hook`` as dynamo must see it (disabled: a graph break, then run eagerly with nested frames left alone), at

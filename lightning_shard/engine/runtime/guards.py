@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
-from lightning_shard.engine.unit import Unit
+from lightning_shard.engine.storage.unit import Unit
 
 
 class ModuleGuards:

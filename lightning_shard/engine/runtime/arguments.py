@@ -8,8 +8,8 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from lightning_shard.engine.trees import flatten, leaves
-from lightning_shard.engine.unit import Unit
+from lightning_shard.engine.runtime.trees import flatten, leaves
+from lightning_shard.engine.storage.unit import Unit
 
 
 def needs_cast(unit: Unit) -> bool:

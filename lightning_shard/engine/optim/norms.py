@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_shard.engine import collectives
-from lightning_shard.engine.collectives import CommStats
+from lightning_shard.engine.comm import collectives
+from lightning_shard.engine.comm.collectives import CommStats
 
 
 def check_norm_type(norm_type: float) -> float:
