@@ -1,4 +1,4 @@
-"""What runs before an optimizer step (engine/step_watch.py, norms.py), in a gloo world against one process on the
+"""What runs before an optimizer step (engine/optim/step_watch.py, norms.py), in a gloo world against one process on the
 same global batch: the ``nonfinite`` policy with gradient accumulation, a gradient scaler's overflow under it, a plain
 ``torch.amp.GradScaler`` on sharded gradients, and clipping where a rank dropped a gradient."""
 

@@ -18,5 +18,5 @@ def _restore_environment():
 
 
 # Every engine in the suite (spawned ranks inherit it) checks that each buffer crossing between its streams
-# is handed over with a wait: the ordering a GPU needs, verified where there is none (engine/streams.py).
+# is handed over with a wait: the ordering a GPU needs, verified where there is none (engine/comm/streams.py).
 os.environ.setdefault("LIGHTNING_SHARD_CHECK_STREAMS", "1")

@@ -9,9 +9,9 @@ import time
 import torch
 from torch import nn
 
-from lightning_shard.engine.shard_module import shard_module
-from lightning_shard.engine.collectives import CollectiveError
 from lightning_shard.checkpoint.full import full_state_dict
+from lightning_shard.engine.comm.collectives import CollectiveError
+from lightning_shard.engine.shard_module import shard_module
 from tests import models
 
 

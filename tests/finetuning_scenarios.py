@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_shard.checkpoint.full import full_state_dict
-from lightning_shard.engine.optimizers import optimizer_kind
+from lightning_shard.engine.optim.optimizers import optimizer_kind
 from lightning_shard.engine.shard_module import shard_module
 from tests.optimizer_scenarios import Lamb, orthogonalise_in_fp32
 from tests.world import as_lightning_rank
@@ -122,7 +122,7 @@ def unfreeze_into_a_group(rank: int, world: int, names: list[str]) -> dict:
 def added_on_one_rank(rank: int, world: int) -> str:
     """Rank 1 alone adds the backbone (its shards on rank 0 equal nothing the optimizer holds): a real difference,
     refused on every rank at the same point (the world goes on). Returns the error."""
-    from lightning_shard.engine.optimizer_groups import GroupMismatch
+    from lightning_shard.engine.optim.optimizer_groups import GroupMismatch
 
     torch.manual_seed(0)
     model = Backboned()

@@ -1,4 +1,4 @@
-"""The fused optimizer step taken where the user chose no implementation (``engine/fused_default.py``), run on the
+"""The fused optimizer step taken where the user chose no implementation (``engine/optim/fused_default.py``), run on the
 CPU by letting the CPU count as a GPU for that choice: against DDP with torch's default (the for-loop) and with
 the implementation the user named."""
 
@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_shard.checkpoint.full import full_state_dict
-from lightning_shard.engine import fused_default
+from lightning_shard.engine.optim import fused_default
 from lightning_shard.engine.shard_module import shard_module
 from tests import models
 from tests.optimizer_scenarios import decay_groups, train

@@ -1,5 +1,5 @@
 """Scenarios for test_host_step.py, run inside a gloo world: offload's optimizer step overlapped with backward
-(engine/host_step.py) against the same offloaded fit stepped after the backward (``offload_overlap=False``). Both run
+(engine/optim/host_step.py) against the same offloaded fit stepped after the backward (``offload_overlap=False``). Both run
 the same kernels on the same tensors in the same order per element, so they must agree bit for bit; and the serial
 one against the fit without offload, bit for bit too (test_offload.py's premise)."""
 

@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_shard.checkpoint.full import full_state_dict
-from lightning_shard.engine.optimizers import optimizer_kind
+from lightning_shard.engine.optim.optimizers import optimizer_kind
 from lightning_shard.engine.shard_module import shard_module
 from tests import models
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from lightning_shard.engine.comm.streams import HostStreams, StreamRace
 from lightning_shard.engine.shard_module import shard_module
-from lightning_shard.engine.streams import HostStreams, StreamRace
 from tests import models
 
 HANDOVERS = [("compute", "gather"), ("gather", "compute"), ("compute", "reduce"), ("reduce", "compute")]

@@ -56,7 +56,7 @@ def fit(strategy, precision: str, device: str, optimizer: str = "adamw", adamw: 
     )
     trainer.fit(module, loader(1))
     if isinstance(strategy, ShardStrategy):
-        from lightning_shard.engine.fused_default import unchosen_groups
+        from lightning_shard.engine.optim.fused_default import unchosen_groups
 
         runtime = strategy.runtime
         state = full_state_dict(runtime)
@@ -65,7 +65,7 @@ def fit(strategy, precision: str, device: str, optimizer: str = "adamw", adamw: 
                  "backend": torch.distributed.get_backend(), "pinned": runtime.units[0].storage.shard.is_pinned(),
                  # stepped by torch's fused kernel where the groups chose no implementation
                  "fused": step is not None and step.fused is not None and bool(unchosen_groups(trainer.optimizers[0])),
-                 # offload: optimizer steps overlapped with backward (engine/host_step.py)
+                 # offload: optimizer steps overlapped with backward (engine/optim/host_step.py)
                  "overlapped": runtime.host_stepper.overlapped_steps if runtime.host_stepper is not None else 0}
     else:
         state = {k: v.detach().cpu() for k, v in module.state_dict().items()}
@@ -77,7 +77,7 @@ def fit_all(out: str, precision: str, device: str) -> None:
     from lightning_shard import MixedPrecision, ShardStrategy
 
     # Lightning's single-device strategy (no sharding code), with torch's AdamW as torch picks it on a GPU (foreach)
-    # and fused, which the sharded step picks where the user chose neither (engine/fused_default.py)
+    # and fused, which the sharded step picks where the user chose neither (engine/optim/fused_default.py)
     results = {"plain": fit("auto", precision, device),
                "plain_fused": fit("auto", precision, device, adamw="fused"),
                "shard": fit(ShardStrategy(units=["Block"], prefetch=1), precision, device)}
@@ -253,7 +253,7 @@ def gloo_refuses(device: torch.device) -> str | None:
     """Why gloo cannot run the engine's collectives on ``device``'s tensors here, or None if it can."""
     import torch.distributed as dist
 
-    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # as engine/collectives.py
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # as engine/comm/collectives.py
     reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     rank, world = dist.get_rank(), dist.get_world_size()
     try:

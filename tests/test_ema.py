@@ -93,7 +93,7 @@ def test_sharded_ema_full_checkpoints_units_held_in_validation_and_resume(tmp_pa
 
 
 def test_sharded_ema_offloaded_without_buffers_averaged(tmp_path):
-    # offloaded, AdamW steps fused on the host: its roundings, not foreach's (engine/offload.py); the average lives
+    # offloaded, AdamW steps fused on the host: its roundings, not foreach's (engine/storage/offload.py); the average lives
     # there too. use_buffers=False: the buffers follow the model's
     results = run_app(tmp_path, "--sharding", "full", "--offload", "optimizer", "--no-buffers")
     assert_matches_lightning_ema(results, "full", rtol=1e-5, atol=2e-6)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_shard.engine.optimizer_groups import GroupMismatch, GroupView, merge_groups
+from lightning_shard.engine.optim.optimizer_groups import GroupMismatch, GroupView, merge_groups
 from tests import finetuning_scenarios as scenarios
 from tests.world import run_world
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_shard.engine.fused_default import fused_by_default
+from lightning_shard.engine.optim.fused_default import fused_by_default
 from tests import fused_scenarios
 from tests.world import run_world
 

@@ -1,4 +1,4 @@
-"""Offload's optimizer step overlapped with backward (engine/host_step.py): each unit stepped by the CPU as its
+"""Offload's optimizer step overlapped with backward (engine/optim/host_step.py): each unit stepped by the CPU as its
 gradient lands gives the numbers of the step after the backward, bit for bit, with clipping that asks for it on some
 steps only (the speculative steps undone and redone), accumulation, a skipped non-finite step and a resume."""
 
@@ -84,7 +84,7 @@ def test_the_worker_steps_while_a_gradient_is_still_on_its_way():
 
     import torch
 
-    from lightning_shard.engine.host_worker import HostWorker
+    from lightning_shard.engine.optim.host_worker import HostWorker
 
     worker, done, arrived = HostWorker(torch.device("cpu")), [], threading.Event()
     worker.submit(lambda: done.append("step 1"))
@@ -115,7 +115,7 @@ def test_a_landing_whose_readiness_check_fails_raises_instead_of_hanging():
 
     import torch
 
-    from lightning_shard.engine.host_worker import HostWorker
+    from lightning_shard.engine.optim.host_worker import HostWorker
 
     def failed() -> bool:
         raise RuntimeError("CUDA error: device-side assert triggered")

@@ -151,7 +151,7 @@ def test_the_estimate_is_full_sharding_over_one_group():
 
 
 def _host_group_of(rank: int, world: int, sharding: str) -> bool:
-    from lightning_shard.engine.groups import build_groups
+    from lightning_shard.engine.comm.groups import build_groups
 
     groups = build_groups(sharding, None, 1 if sharding == "hybrid" else None, torch.device("cpu"))
     return groups.host is None and groups.agreements is groups.world

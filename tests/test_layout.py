@@ -20,6 +20,8 @@ BELOW = {
     "tools": {"engine", "checkpoint", "memory", "lightning", "app", ""},
 }
 FRAMEWORKS = ("lightning", "lightning_utilities", "hydra", "omegaconf")  # not below the Lightning face
+# the engine's rooms, each importing only the rooms before it; shard_module.py, the entry point, all of them
+ROOMS = ("comm", "plan", "storage", "optim", "runtime")
 
 
 def imports_of(path: Path) -> set[str]:
@@ -35,7 +37,7 @@ def imports_of(path: Path) -> set[str]:
 
 
 def layer_of(module: str) -> str:
-    """``lightning_shard.engine.hooks`` -> ``engine``; the top-level package or a command -> ``""``."""
+    """``lightning_shard.engine.runtime.hooks`` -> ``engine``; the top-level package or a command -> ``""``."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 and parts[1] in BELOW else ""
 
@@ -52,6 +54,20 @@ def test_each_layer_imports_only_layers_below_it():
         for path in (PACKAGE / layer).rglob("*.py"):
             for name in imports_of(path):
                 if name.split(".")[0] == "lightning_shard" and layer_of(name) not in allowed | {layer}:
+                    wrong.append(f"{path.relative_to(PACKAGE)} imports {name}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_engines_rooms_import_only_the_rooms_below_them():
+    engine = PACKAGE / "engine"
+    assert {p.name for p in engine.iterdir() if p.is_dir() and p.name != "__pycache__"} == set(ROOMS)
+    assert {p.stem for p in engine.glob("*.py")} == {"__init__", "shard_module"}  # the rest in rooms
+    wrong = []
+    for rank, room in enumerate(ROOMS):
+        for path in (engine / room).glob("*.py"):
+            for name in imports_of(path):
+                parts = name.split(".")
+                if parts[:2] == ["lightning_shard", "engine"] and (len(parts) < 3 or parts[2] not in ROOMS[: rank + 1]):
                     wrong.append(f"{path.relative_to(PACKAGE)} imports {name}")
     assert not wrong, "\n".join(wrong)
 

@@ -62,8 +62,8 @@ def test_mixed_precision_masters_and_a_skipped_nonfinite_step():
 
 def test_owners_hold_at_most_their_share_plus_one_parameter():
     """The owner plan alone (no processes): random shapes over 3 ranks, several units and step groups."""
-    from lightning_shard.engine.flat_shard import FlatShard, ParamSlot
-    from lightning_shard.engine.step_plan import OWNERS, plan_step
+    from lightning_shard.engine.optim.step_plan import OWNERS, plan_step
+    from lightning_shard.engine.storage.flat_shard import FlatShard, ParamSlot
 
     g = torch.Generator().manual_seed(0)
     where, params = {}, []

@@ -66,8 +66,8 @@ def test_the_experts_class_under_lora_on_the_experts_names_their_wrapper():
     from peft import LoraConfig, get_peft_model
     from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
-    from lightning_shard.engine.activation_checkpointing import checkpoint_targets
-    from lightning_shard.engine.plan import plan_units
+    from lightning_shard.engine.plan.plan import plan_units
+    from lightning_shard.engine.runtime.activation_checkpointing import checkpoint_targets
 
     model = get_peft_model(scenarios.model_class("mixtral")(scenarios.config("mixtral")), LoraConfig(
         r=2, target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))

@@ -169,7 +169,7 @@ def _four_bit_layer(bias: bool, storage: torch.dtype = torch.uint8):
 
 
 def test_what_cannot_be_sharded_exactly_is_refused_naming_it():
-    from lightning_shard.engine.averaging import AveragedShards, ema_update
+    from lightning_shard.engine.runtime.averaging import AveragedShards, ema_update
     from lightning_shard.engine.shard_module import shard_module
 
     # bitsandbytes casts an fp32 bias to its bf16 compute dtype in place at the first forward: the gathered bias

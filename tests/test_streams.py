@@ -1,4 +1,4 @@
-"""The stream protocol (engine/streams.py): every buffer that crosses streams is handed over with a wait.
+"""The stream protocol (engine/comm/streams.py): every buffer that crosses streams is handed over with a wait.
 
 CI has no GPU, so the suite runs every engine with a checking HostStreams (conftest.py) that models the
 compute, gather and reduce streams with vector clocks, as a GPU would order them; these tests show that the
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_shard.engine.streams import HostStreams, StreamRace
+from lightning_shard.engine.comm.streams import HostStreams, StreamRace
 from tests import stream_scenarios
 from tests.world import run_world
 

@@ -54,7 +54,7 @@ def test_a_teacher_laid_out_otherwise_is_named_at_setup_and_its_update_between_s
 def test_written_back_under_bf16_masters_keep_their_precision_where_nothing_wrote():
     """Computing in bf16 over fp32 masters, a write-back takes only the elements that differ from the masters' cast:
     elsewhere the masters keep their fp32 bits (a copy of the bf16 buffer would round them at every free)."""
-    from lightning_shard.engine.flat_shard import FlatShard, ParamSlot
+    from lightning_shard.engine.storage.flat_shard import FlatShard, ParamSlot
 
     values = torch.linspace(-1, 1, 12) * (1 + 2**-12)  # not representable in bf16
     slot = ParamSlot(("w",), (), torch.Size([3, 4]), 0, 12, True)

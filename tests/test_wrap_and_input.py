@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from lightning_shard import ShardStrategy, shard_module
-from lightning_shard.engine.plan import plan_units
+from lightning_shard.engine.plan.plan import plan_units
 from tests import models
 
 
@@ -194,7 +194,7 @@ def test_plan_is_reported_as_a_count_and_a_table_by_kind():
 def test_root_heavy_warning_suggests_units_that_take_the_largest_root_parameter_out():
     from lightning.pytorch.demos import LightningTransformer
 
-    from lightning_shard.engine.plan import root_heavy_warning
+    from lightning_shard.engine.plan.plan import root_heavy_warning
 
     model = LightningTransformer()  # Lightning's docs example: embedding and decoder are 91% of it
     message = root_heavy_warning(model, plan_units(model))

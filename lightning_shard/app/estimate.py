@@ -19,7 +19,7 @@ def estimate_config(cfg: Any) -> tuple[MemoryEstimate, int]:
     from hydra.utils import instantiate
 
     from lightning_shard.app.train import build_data_and_model
-    from lightning_shard.engine.optimizers import WHOLE_PARAMETER_OPTIMIZERS
+    from lightning_shard.engine.optim.optimizers import WHOLE_PARAMETER_OPTIMIZERS
     from lightning_shard.lightning.precision import ShardPrecision
 
     with torch.device("meta"):  # the model's parameters are never allocated

@@ -32,9 +32,9 @@ from lightning_shard.checkpoint import conversion, files, hf
 from lightning_shard.checkpoint.full import gather_slots, registered
 from lightning_shard.checkpoint.quantized_export import Dequantizer
 from lightning_shard.checkpoint.safetensors_writer import SafetensorsWriter, parse_size
-from lightning_shard.engine import collectives
-from lightning_shard.engine.flat_shard import ParamSlot
+from lightning_shard.engine.comm import collectives
 from lightning_shard.engine.shard_module import sharded_root_of
+from lightning_shard.engine.storage.flat_shard import ParamSlot
 
 
 def save_pretrained(module: nn.Module, folder: Union[str, Path], dtype: Optional[torch.dtype] = None,

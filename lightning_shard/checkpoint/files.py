@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
-from lightning_shard.engine.collectives import from_every_rank
+from lightning_shard.engine.comm.collectives import from_every_rank
 
 MANIFEST = "manifest.json"
 META = "meta.pt"

@@ -16,8 +16,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_shard.checkpoint.files import CheckpointError
-from lightning_shard.engine import collectives
-from lightning_shard.engine.hooks import ShardRuntime
+from lightning_shard.engine.comm import collectives
+from lightning_shard.engine.runtime.hooks import ShardRuntime
 
 _CHUNK = 1 << 22  # elements hashed at once: the temporaries stay small
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

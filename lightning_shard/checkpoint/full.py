@@ -10,7 +10,8 @@ error rather than silently mangled.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator, Mapping, Set as AbstractSet
+from collections.abc import Iterator, Mapping
+from collections.abc import Set as AbstractSet
 from contextlib import contextmanager
 from typing import Any, Optional
 
@@ -21,11 +22,11 @@ from torch.optim import Optimizer
 
 from lightning_shard.checkpoint.sources import TensorSource
 from lightning_shard.checkpoint.weights import load_into
-from lightning_shard.engine import collectives
-from lightning_shard.engine.flat_shard import FlatShard, ParamSlot
-from lightning_shard.engine.hooks import ShardRuntime
-from lightning_shard.engine.mixed_shard import MixedShard
-from lightning_shard.engine.quantized import full_parameters
+from lightning_shard.engine.comm import collectives
+from lightning_shard.engine.runtime.hooks import ShardRuntime
+from lightning_shard.engine.storage.flat_shard import FlatShard, ParamSlot
+from lightning_shard.engine.storage.mixed_shard import MixedShard
+from lightning_shard.engine.storage.quantized import full_parameters
 
 
 def gather_master(runtime: ShardRuntime, storage: FlatShard) -> Tensor:
@@ -43,7 +44,7 @@ def gather_slots(runtime: ShardRuntime, storage: FlatShard, slots: list[int],
     pieces, padded to the longest rank's, in one all-gather per dtype."""
     mine = local if local is not None else [storage.shard_params[s].detach() for s in slots]
     dtypes = list(dict.fromkeys(piece.dtype for piece in mine))
-    if len(dtypes) > 1:  # a unit of several dtypes (engine/mixed_shard.py): one all-gather each
+    if len(dtypes) > 1:  # a unit of several dtypes (engine/storage/mixed_shard.py): one all-gather each
         full: dict[int, Tensor] = {}
         for dtype in dtypes:
             chosen = [i for i, piece in enumerate(mine) if piece.dtype == dtype]

@@ -174,7 +174,7 @@ def init_peft_adapters(runtime: Any) -> list[str]:
     from lightning_shard.checkpoint.full import registered
     from lightning_shard.checkpoint.sources import TensorSource
     from lightning_shard.checkpoint.weights import load_into
-    from lightning_shard.engine import collectives
+    from lightning_shard.engine.comm import collectives
 
     slots = {name: slot for unit in runtime.units for slot in unit.storage.slots for name in slot.names}
     values: dict[str, Any] = {}

@@ -18,10 +18,9 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from lightning_shard.checkpoint import files
-from lightning_shard.checkpoint import sharded
+from lightning_shard.checkpoint import files, sharded
 from lightning_shard.checkpoint.sharded_source import ShardedSource
-from lightning_shard.engine.collectives import from_every_rank
+from lightning_shard.engine.comm.collectives import from_every_rank
 
 STATE_DICT_TYPES = ("sharded", "full")
 CURRENT = "current_model_state"  # Lightning's WeightAveraging key: the weights trained, where state_dict is their average

@@ -1,5 +1,5 @@
 """4-bit weights written dequantized (``export.py``): a packed weight's slot comes with its quantization state's
-slots (``engine/quantized.py``), one at a time from the gather; held until all have come, then dequantized by
+slots (``engine/storage/quantized.py``), one at a time from the gather; held until all have come, then dequantized by
 bitsandbytes (``dequantize_4bit``, what transformers' ``dequantize()`` and peft's merge call) into the dtype the
 weight was quantized from."""
 
@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 from torch import Tensor
 
-from lightning_shard.engine import quantized
+from lightning_shard.engine.storage import quantized
 
 
 class Dequantizer:

@@ -1,7 +1,7 @@
 """4-bit weights loaded into a sharded model (issue 48), each rank writing only its part of the packed bytes.
 
 From full-precision weights (a bf16 or fp32 Hugging Face folder): each rank reads its part of each weight and
-quantizes it itself. A rank's part of a packed weight is whole quantization blocks (``engine/mixed_layout.py``), and
+quantizes it itself. A rank's part of a packed weight is whole quantization blocks (``engine/storage/mixed_layout.py``), and
 blockwise quantization is local to a block, so the packed bytes and absmax are those of bitsandbytes quantizing the
 whole tensor. The absmax (one fp32 value per block: 1/16 byte per weight) is then gathered by every rank, which
 computes the double quantization over all of it (its offset is a mean over every block) and keeps its part of
@@ -21,7 +21,8 @@ import torch
 from torch import Tensor
 
 from lightning_shard.checkpoint.files import CheckpointError
-from lightning_shard.engine import collectives, quantized
+from lightning_shard.engine.comm import collectives
+from lightning_shard.engine.storage import quantized
 
 
 def is_unquantized(value: Tensor, spec: quantized.QuantSpec) -> bool:

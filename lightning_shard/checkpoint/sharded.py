@@ -17,7 +17,8 @@ ranks loads on M ranks under another unit policy, each rank reading only the sli
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator, Mapping, Set as AbstractSet
+from collections.abc import Iterator, Mapping
+from collections.abc import Set as AbstractSet
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -32,9 +33,9 @@ from torch.optim import Optimizer
 
 from lightning_shard.checkpoint.files import CheckpointError, SafeReader
 from lightning_shard.checkpoint.sharded_tensors import sharded_view
-from lightning_shard.engine.averaging import AveragedShards
-from lightning_shard.engine.flat_shard import FlatShard, ParamSlot
-from lightning_shard.engine.hooks import ShardRuntime
+from lightning_shard.engine.runtime.averaging import AveragedShards
+from lightning_shard.engine.runtime.hooks import ShardRuntime
+from lightning_shard.engine.storage.flat_shard import FlatShard, ParamSlot
 
 MODEL_PREFIX = "state_dict."
 CURRENT_PREFIX = "current_model_state."  # the trained weights, where ``state_dict`` holds their average

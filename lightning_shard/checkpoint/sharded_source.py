@@ -8,7 +8,8 @@ stand-ins from the directory under their saved names and the whole tensors from 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, MutableMapping, Set as AbstractSet
+from collections.abc import Iterator, Mapping, MutableMapping
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 from typing import Any, Optional
 
@@ -18,7 +19,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from lightning_shard.checkpoint import sharded
 from lightning_shard.checkpoint.files import CheckpointError
 from lightning_shard.checkpoint.full import load_full_state_dict
-from lightning_shard.engine.hooks import ShardRuntime
+from lightning_shard.engine.runtime.hooks import ShardRuntime
 
 
 class SavedTensor:

@@ -13,7 +13,7 @@ from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX, _IncompatibleKeys
 
 from lightning_shard.checkpoint.files import CheckpointError
 from lightning_shard.checkpoint.quantized_load import fits_packed, is_unquantized, load_packed, underlying
-from lightning_shard.engine.hooks import ShardRuntime
+from lightning_shard.engine.runtime.hooks import ShardRuntime
 
 
 @torch.no_grad()

@@ -14,28 +14,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parameter import is_lazy
 from torch.nn.utils import prune
 
-from lightning_shard.engine.activation_checkpointing import (
-    CheckpointSpec,
-    checkpoint_modules,
-    validate_activation_checkpointing,
-)
-from lightning_shard.engine.compile import (
-    compile_units,
-    refuse_with_elision,
-    validate_compile,
-    warn_if_compiled_by_user,
-)
-from lightning_shard.engine import quantized
-from lightning_shard.engine.flat_shard import FlatShard, ParamSlot
-from lightning_shard.engine.groups import build_groups, validate_shard_size, validate_sharding
-from lightning_shard.engine.hooks import ShardRuntime
-from lightning_shard.engine.materialize import Materializer
-from lightning_shard.engine.mirrors import misaligned_mirrors
-from lightning_shard.engine.mixed_layout import flatten_mixed, is_mixed
-from lightning_shard.engine.mixed_shard import HostMixedShard, MixedShard
-from lightning_shard.engine.offload import HostShard, validate_offload
-from lightning_shard.engine.outside import TreeParameters, adopt
-from lightning_shard.engine.plan import (
+from lightning_shard.engine.comm.groups import build_groups, validate_shard_size, validate_sharding
+from lightning_shard.engine.plan.materialize import Materializer
+from lightning_shard.engine.plan.plan import (
     UnitPlan,
     UnitSpec,
     full_precision_classes,
@@ -43,7 +24,27 @@ from lightning_shard.engine.plan import (
     root_heavy_warning,
     validate_min_unit_size,
 )
-from lightning_shard.engine.unit import Unit
+from lightning_shard.engine.runtime.activation_checkpointing import (
+    CheckpointSpec,
+    checkpoint_modules,
+    validate_activation_checkpointing,
+)
+from lightning_shard.engine.runtime.compile import (
+    compile_units,
+    refuse_with_elision,
+    validate_compile,
+    warn_if_compiled_by_user,
+)
+from lightning_shard.engine.runtime.hooks import ShardRuntime
+from lightning_shard.engine.runtime.mirrors import misaligned_mirrors
+from lightning_shard.engine.storage import quantized
+from lightning_shard.engine.storage.flat_shard import FlatShard, ParamSlot
+from lightning_shard.engine.storage.mixed_layout import flatten_mixed, is_mixed
+from lightning_shard.engine.storage.mixed_shard import HostMixedShard, MixedShard
+from lightning_shard.engine.storage.offload import HostShard, validate_offload
+from lightning_shard.engine.storage.outside import TreeParameters, adopt
+from lightning_shard.engine.storage.unit import Unit
+
 
 def shard_module(
     module: nn.Module,
@@ -72,11 +73,11 @@ def shard_module(
     which broadcasts rank 0's parameters), so ranks need not share a seed. A model built on the meta
     device is materialised on ``device`` unit by unit with its modules' ``reset_parameters()``: a rank
     holds its shards plus at most one full unit, never the whole model. ``compile``: ``True`` or torch.compile's
-    keyword arguments compile each unit's blocks (engine/compile.py). ``sharding="hybrid"``: sharded within groups
+    keyword arguments compile each unit's blocks (engine/runtime/compile.py). ``sharding="hybrid"``: sharded within groups
     of ``shard_size`` consecutive ranks (default: LOCAL_WORLD_SIZE, the devices per node), replicated across
-    them; or over the given 2-D ``mesh`` (replicate, shard) (engine/groups.py). ``offload="optimizer"`` or
+    them; or over the given 2-D ``mesh`` (replicate, shard) (engine/comm/groups.py). ``offload="optimizer"`` or
     ``"params"``: the master shards, their gradients and the optimizer state in host memory, stepped by the CPU
-    (engine/offload.py).
+    (engine/storage/offload.py).
     """
     validate_sharding(sharding)
     offload = validate_offload(offload)

@@ -17,22 +17,21 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_shard.checkpoint import sharded
+from lightning_shard.checkpoint.export import save_pretrained
+from lightning_shard.checkpoint.export_checkpoint import RECORD, describe_pretrained
+from lightning_shard.checkpoint.files import CheckpointError
+from lightning_shard.checkpoint.fingerprint import check_fingerprints, fingerprints, frozen_names
 from lightning_shard.checkpoint.full import (
     full_optimizer_state_dict,
     full_state_dict,
     load_full_optimizer_state_dict,
     load_full_state_dict,
 )
-from lightning_shard.checkpoint.export import save_pretrained
-from lightning_shard.checkpoint.export_checkpoint import RECORD, describe_pretrained
-from lightning_shard.checkpoint.files import CheckpointError
-from lightning_shard.checkpoint.fingerprint import check_fingerprints, fingerprints, frozen_names
 from lightning_shard.checkpoint.io import open_checkpoint, save_full, save_sharded
 from lightning_shard.checkpoint.sharded_source import load_model_source, sharded_source
-from lightning_shard.engine.averaging import AveragedShards
-from lightning_shard.engine.hooks import ShardRuntime
+from lightning_shard.engine.runtime.averaging import AveragedShards
+from lightning_shard.engine.runtime.hooks import ShardRuntime
 from lightning_shard.lightning.finetuning import readd_finetuning_groups
-
 
 
 class CheckpointState:

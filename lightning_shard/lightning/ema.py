@@ -6,7 +6,7 @@ from typing import Optional, Union
 
 import torch
 
-from lightning_shard.engine.averaging import AverageUpdate, ema_update
+from lightning_shard.engine.runtime.averaging import AverageUpdate, ema_update
 from lightning_shard.lightning.weight_averaging import ShardedWeightAveraging
 
 

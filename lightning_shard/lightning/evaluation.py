@@ -7,7 +7,7 @@ from collections.abc import Generator
 from contextlib import ExitStack, contextmanager
 from typing import Optional
 
-from lightning_shard.engine.hooks import ShardRuntime
+from lightning_shard.engine.runtime.hooks import ShardRuntime
 
 
 class EvaluationHold:
@@ -22,7 +22,7 @@ class EvaluationHold:
         """Every unit held gathered inside (every rank must enter): forwards without gradients run no collective,
         so evaluation or generation needs one all-gather per unit in all, and ranks may generate different numbers
         of tokens. Costs ``strategy.runtime.held_bytes()`` per rank while it lasts. Writes to the parameters inside
-        are written back from ``modifier_rank`` on exit, and refused without it (engine/held.py)."""
+        are written back from ``modifier_rank`` on exit, and refused without it (engine/runtime/held.py)."""
         assert self.runtime is not None, "keep_gathered before the model is sharded"
         with self.runtime.keep_gathered(modifier_rank):
             yield

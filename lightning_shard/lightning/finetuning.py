@@ -13,7 +13,7 @@
   so the groups would be missing when the optimizer states are loaded. They are re-added here, just before
   (DDP's order).
 * **Its record of the groups** names what this rank's optimizer held when the callback added them, before
-  the ranks agreed on them. When the ranks' groups had to be merged (``engine/optimizer_groups.py``), the
+  the ranks agreed on them. When the ranks' groups had to be merged (``engine/optim/optimizer_groups.py``), the
   record is written again from the merged groups, so that a checkpoint (rank 0's record) holds them whole.
 """
 

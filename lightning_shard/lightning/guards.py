@@ -60,7 +60,7 @@ def refuse_pruning(callbacks: list) -> None:
     """Lightning's ``ModelPruning`` prunes with torch.nn.utils.prune on the parameters it finds, which under
     ShardStrategy are 1-D shards: each rank would compute its own threshold from its shard (a global one from all its
     shards), and the reparametrization it leaves is not what a gather reads. Refused at setup, naming it; its pruning
-    functions are refused at the moment they run, wherever they are called from (engine/outside.py)."""
+    functions are refused at the moment they run, wherever they are called from (engine/storage/outside.py)."""
     from lightning.pytorch.callbacks import ModelPruning
 
     pruning = [type(c).__name__ for c in callbacks if isinstance(c, ModelPruning)]

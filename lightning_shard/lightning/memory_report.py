@@ -13,8 +13,8 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.utilities.rank_zero import rank_zero_debug, rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 
-from lightning_shard.engine.host_step import SPECULATIVE_SHARE
-from lightning_shard.engine.hooks import ShardRuntime
+from lightning_shard.engine.optim.host_step import SPECULATIVE_SHARE
+from lightning_shard.engine.runtime.hooks import ShardRuntime
 from lightning_shard.memory.estimate import GradsHeld, MemoryEstimate, MiB, estimate_sharded
 
 

@@ -1,4 +1,4 @@
-"""When offload's optimizer step may overlap the backward (``engine/host_step.py``), decided at setup from the code
+"""When offload's optimizer step may overlap the backward (``engine/optim/host_step.py``), decided at setup from the code
 every rank runs, so the same on every rank.
 
 The overlapped step steps each unit as its gradient lands, before Lightning's hooks that run between the backward and
@@ -14,7 +14,7 @@ The staging copies the devices read are made right after each unit's step. Code 
 steps without a version bump would not be seen there: where the module or a callback of yours overrides a hook that
 runs between steps, every step still makes its staging copies again at its first gathers
 (``ShardRuntime.restage_each_step``), as before; and touching a shard parameter's ``.data`` anywhere (``training_step``
-too) makes its unit's copies again (``engine/offload.py``).
+too) makes its unit's copies again (``engine/storage/offload.py``).
 """
 
 from __future__ import annotations

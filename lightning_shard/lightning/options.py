@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, Optional, Union
 
-from lightning_shard.engine.optimizers import validate_optimizer_classes
+from lightning_shard.engine.optim.optimizers import validate_optimizer_classes
 
 
 def check_flag(option: str, value: object) -> bool:

@@ -3,8 +3,8 @@ one line per unit, at debug level)."""
 
 from __future__ import annotations
 
-from lightning_shard.engine.hooks import ShardRuntime
-from lightning_shard.engine.unit import Unit
+from lightning_shard.engine.runtime.hooks import ShardRuntime
+from lightning_shard.engine.storage.unit import Unit
 
 
 def _kind(unit: Unit) -> str:

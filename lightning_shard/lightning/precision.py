@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.optim import Optimizer
 
-from lightning_shard.engine.backward_watch import explain_freed_parameters
+from lightning_shard.engine.runtime.backward_watch import explain_freed_parameters
 
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
 
@@ -176,7 +176,7 @@ class ShardPrecision(Precision):
 
     def _agree_on_groups(self, optimizer: Optimizer) -> None:
         """Clipping and unscaling go over the optimizer's parameters, which a group added this step may have made
-        differ between ranks (``engine/optimizer_groups.py``): they agree first (every rank calls these)."""
+        differ between ranks (``engine/optim/optimizer_groups.py``): they agree first (every rank calls these)."""
         if self.runtime is not None:
             self.runtime.optimizers.agree_on_groups(getattr(optimizer, "_optimizer", optimizer))
 

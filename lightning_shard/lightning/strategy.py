@@ -24,16 +24,15 @@ from torch.optim import Optimizer
 
 from lightning_shard.checkpoint.hf import init_peft_adapters
 from lightning_shard.checkpoint.io import validate_state_dict_type
-from lightning_shard.engine.activation_checkpointing import CheckpointSpec, validate_activation_checkpointing
-from lightning_shard.engine.compile import refuse_with_elision, validate_compile
-from lightning_shard.engine.groups import validate_shard_size, validate_sharding
-from lightning_shard.engine.hooks import ShardRuntime
-from lightning_shard.engine.offload import validate_offload
-from lightning_shard.lightning.offload_overlap import arm_for_step, overlap_clip, restage_each_step
-from lightning_shard.engine.optimizer_step import DEFAULT_STEP_GROUP_NUMEL
-from lightning_shard.engine.optimizers import WHOLE, optimizer_kind
-from lightning_shard.engine.plan import UnitSpec, validate_min_unit_size, validate_unit_size, validate_units
+from lightning_shard.engine.comm.groups import validate_shard_size, validate_sharding
+from lightning_shard.engine.optim.optimizer_step import DEFAULT_STEP_GROUP_NUMEL
+from lightning_shard.engine.optim.optimizers import WHOLE, optimizer_kind
+from lightning_shard.engine.plan.plan import UnitSpec, validate_min_unit_size, validate_unit_size, validate_units
+from lightning_shard.engine.runtime.activation_checkpointing import CheckpointSpec, validate_activation_checkpointing
+from lightning_shard.engine.runtime.compile import refuse_with_elision, validate_compile
+from lightning_shard.engine.runtime.hooks import ShardRuntime
 from lightning_shard.engine.shard_module import shard_module
+from lightning_shard.engine.storage.offload import validate_offload
 from lightning_shard.lightning.after_step import after_step, frees_grads_after_step
 from lightning_shard.lightning.checkpointing import CheckpointState
 from lightning_shard.lightning.evaluation import EvaluationHold
@@ -45,6 +44,7 @@ from lightning_shard.lightning.guards import (
     refuse_weight_averaging,
 )
 from lightning_shard.lightning.memory_report import report_memory_estimate
+from lightning_shard.lightning.offload_overlap import arm_for_step, overlap_clip, restage_each_step
 from lightning_shard.lightning.options import (
     check_count,
     check_declared_optimizers,
@@ -54,92 +54,52 @@ from lightning_shard.lightning.options import (
     check_units_or_size,
 )
 from lightning_shard.lightning.plan_summary import plan_listing, plan_summary
-from lightning_shard.lightning.precision import MixedPrecision, ShardPrecision, validate_mixed_precision
-from lightning_shard.lightning.precision import shard_precision_of
+from lightning_shard.lightning.precision import (
+    MixedPrecision,
+    ShardPrecision,
+    shard_precision_of,
+    validate_mixed_precision,
+)
 from lightning_shard.lightning.process_group import ProcessGroupMixin
 from lightning_shard.lightning.summary import summarize_in_full_shapes
 from lightning_shard.memory.estimate import MemoryEstimate
 
 
 class ShardStrategy(ProcessGroupMixin, EvaluationHold, CheckpointState, ParallelStrategy):
-    """Fully sharded data parallel training, implemented on ``torch.distributed`` collectives.
+    """Fully sharded data parallel training, implemented on ``torch.distributed`` collectives. Every option, with
+    what it costs and what it changes, is in docs/options.md; in short:
 
     Args:
-        sharding: ``"full"`` (ZeRO-3: parameters, gradients and optimizer state sharded; parameters
-            gathered per unit in forward and again in backward), ``"grad_op"`` (ZeRO-2: parameters stay
-            gathered from forward to backward), ``"hybrid"`` (HSDP: ``full`` within groups of ``shard_size``
-            ranks, replicated across the groups; gradient shards all-reduced between them), ``"none"``
-            (replicated, DDP-like).
-        shard_size: ranks per shard group under ``sharding="hybrid"``; default: the devices per node, so that
-            all-gathers and reduce-scatters stay within a node and only the gradient shards' all-reduce crosses
-            nodes. The world size must be a multiple of it.
+        sharding: ``"full"`` (ZeRO-3), ``"grad_op"`` (ZeRO-2: parameters kept gathered from forward to backward),
+            ``"hybrid"`` (``full`` within groups of ``shard_size`` ranks, replicated across them) or ``"none"``.
+        shard_size: ranks per shard group under ``"hybrid"`` (default: the devices per node).
         units: module classes, or class names, whose every instance becomes one unit.
-        unit_size: a parameter budget: consecutive submodules are packed into units of at most this
-            many parameters. With neither, each instance of a repeated block class is a unit.
-        min_unit_size: consecutive sibling units with fewer parameters than this are merged into one (each unit
-            costs hooks and a collective's latency per step, whatever its size; see the README's figures).
+        unit_size: a parameter budget: consecutive submodules packed into units of at most this many parameters.
+            With neither, each instance of a repeated block class is a unit.
+        min_unit_size: consecutive sibling units with fewer parameters than this are merged into one.
         prefetch: how many units ahead to all-gather while the current one computes (0: off).
-        activation_checkpointing: ``True`` recomputes every unit's activations in backward instead of keeping
-            them; module classes or class names (``["Block"]``) choose the modules to recompute (each must lie
-            within one unit). The recomputation and the unit's backward share one all-gather.
-        elide_backward_gathers: skip the backward all-gather of a unit whose parameters autograd did not save
-            in forward (an embedding fed token ids); detected each step and agreed across ranks. Off by default:
-            the detection hides in-place changes of saved tensors from autograd's check (see the README).
-        broadcast_buffers: as DDP's: rank 0's buffers (BatchNorm running statistics) are broadcast before a step
-            that follows a training step. ``False`` leaves each rank its own (as FSDP does); checkpoints still
-            hold rank 0's.
-        reduce_during_accumulation: reduce-scatter gradients after every micro-batch of
-            ``accumulate_grad_batches``, keeping gradient memory at 1/N; the all-reduce across replicas
-            (``hybrid``, ``none``), which saves no memory, runs once, after the last micro-batch. ``False`` skips
-            every reduction on non-final micro-batches: less communication, but a full gradient per unit is held.
-        free_grads_after_step: free the gradient shards right after each optimizer step (automatic optimization),
-            not after the next forward as Lightning's ``zero_grad`` would: the same numbers, 4 bytes per parameter
-            over N less at the forward's peak. Kept off where an ``on_before_zero_grad`` or ``optimizer_zero_grad``
-            is overridden (``lightning/after_step.py``).
-        mixed_precision: dtypes of gathers/compute, gradient reduction and buffers; wins over the
-            Trainer's ``precision`` string (which otherwise decides, see ``lightning_shard.lightning.precision``).
-        nonfinite: ``None`` (default, no check), ``"skip"`` (a step whose gradients are not finite on any
-            rank is skipped on every rank, with a warning) or ``"error"`` (stop, naming the step and the
-            first unit whose gradient is not finite). Checked before each optimizer step, on the gradients
-            accumulated for it (an infinite micro-batch skips its whole step); under ``16-mixed`` the gradient
-            scaler skips overflowing steps first, backing off its scale, and this sees the steps it lets through.
-            Costs one pass over the gradient shards and one tiny all-reduce per step.
-        state_dict_type: ``"sharded"`` (default: each rank writes its own shards into a checkpoint
-            directory with ``torch.distributed.checkpoint``; no rank ever holds the whole model) or ``"full"``
-            (rank 0 writes one ordinary checkpoint file that loads into the plain LightningModule). Either
-            kind loads on any number of ranks and under any unit policy; see ``lightning_shard.checkpoint.consolidate``.
-        offload: ``"optimizer"`` keeps the fp32 master weights, their gradients and the optimizer state in host
-            memory and steps the optimizer on the CPU (ZeRO-Offload); ``"params"`` also keeps no shard on the device
-            between steps (FSDP2's CPUOffloadPolicy). Same numbers as without; see ``engine/offload.py``.
-        offload_overlap: with ``offload``, the CPU steps each unit as its gradient lands, during backward
-            (``engine/host_step.py``), where no hook of yours runs between backward and step
-            (``lightning/offload_overlap.py``). ``False``: the step after the backward, as before.
-        save_frozen: ``False`` leaves frozen parameters out of checkpoints (a LoRA run's base: a checkpoint of the
-            adapter and its optimizer state), with a fingerprint of each; restoring needs the same base loaded
-            first (``load_pretrained``) and refuses another one, naming the parameters that differ.
-        elementwise_optimizers: your own optimizer classes whose update of each element reads only that
-            element's gradient and state: they step this rank's 1-D shards. ``torch.optim``'s elementwise ones
-            are known already.
-        matrix_optimizers: your own optimizer classes whose update of a parameter reads that whole parameter
-            (its shape, norms, row/column statistics: LAMB, LARS, Shampoo-like) and no other parameter: each
-            parameter is stepped whole, in its real shape, on one owner rank, which holds its state.
-            ``torch.optim.Muon`` and ``torch.optim.Adafactor`` are known already. An optimizer neither known nor
-            declared is refused at setup, naming both options (see ``engine/optimizers.py``).
-        step_group_size: parameter elements per rank that one optimizer step updates at once (DeepSpeed
-            ZeRO-3's ``sub_group_size``): the step runs group by group, so its temporaries are one group's, not
-            the model's, with the same numbers (for ``torch._foreach`` implementations, the GPU default; on the
-            CPU torch's optimizers loop over the parameters and step in one call). Matrix optimizers exchange
-            whole parameters per group, the next group's exchange overlapping this one's update.
-        keep_gathered_in_eval: validation, test and predict loops hold every unit gathered for the whole loop
-            (one all-gather per unit per loop, none per batch), at the cost of the whole model's parameters per rank
-            while the loop runs (logged at setup). ``strategy.keep_gathered()`` does the same around your own
-            evaluation or generation code (every rank must enter it).
-        compile: ``True``, or a dict of ``torch.compile``'s keyword arguments (``{"mode": "max-autotune"}``): each
-            unit's blocks get a compiled ``forward`` (as torchtitan compiles each transformer block), the engine's
-            gathering, freeing and prefetching stay outside the compiled code. Blocks you compile yourself
-            (``block.compile()`` in ``configure_model``) work too. Not with ``elide_backward_gathers``.
-        timeout: bound on every collective (a ``timedelta`` or seconds): a dead or stuck rank turns into an
-            error naming the collective and the unit on every other rank within it.
+        activation_checkpointing: ``True``, or module classes or names: recompute their activations in backward.
+        elide_backward_gathers: skip the backward all-gather of a unit whose parameters autograd did not save.
+        broadcast_buffers: rank 0's buffers broadcast before a step that follows a training step, as DDP's.
+        reduce_during_accumulation: reduce-scatter after every micro-batch (gradients stay 1/N); ``False`` only
+            after the last one (less communication, a full gradient per unit held).
+        free_grads_after_step: free the gradient shards right after each optimizer step (the same numbers).
+        mixed_precision: dtypes of gathers and compute, gradient reduction and buffers; wins over ``precision``.
+        nonfinite: ``None``, ``"skip"`` (a step with a non-finite gradient on any rank skipped on every rank) or
+            ``"error"``; checked before each optimizer step, on the gradients accumulated for it.
+        state_dict_type: ``"sharded"`` (each rank writes its shards into a checkpoint directory) or ``"full"``
+            (rank 0 writes one ordinary file); either loads on any number of ranks.
+        save_frozen: ``False`` leaves frozen parameters out of checkpoints, fingerprinted.
+        offload: ``"optimizer"`` (master weights, gradients and optimizer state in host memory, stepped by the
+            CPU) or ``"params"`` (also no shard on the device between steps); the same numbers as without.
+        offload_overlap: with ``offload``, the CPU steps each unit as its gradient lands, during backward, where
+            no hook of yours runs between backward and step (the same numbers); ``False``: after the backward.
+        elementwise_optimizers, matrix_optimizers: your own optimizer classes, stepped on 1-D shards, or whole
+            on owner ranks; an optimizer neither known nor declared is refused at setup.
+        step_group_size: parameter elements per rank one optimizer step updates at once.
+        keep_gathered_in_eval: evaluation loops hold every unit gathered (one all-gather per unit per loop).
+        compile: ``True``, or ``torch.compile``'s keyword arguments: each unit's blocks compiled.
+        timeout: bound on every collective (a ``timedelta`` or seconds).
 
     ``configure_model()`` and ``trainer.init_module(empty_init=True)`` build the model on the meta device;
     setup materialises it unit by unit (each module's ``reset_parameters()``), keeping only this rank's shards.

@@ -8,7 +8,7 @@ from typing import Any
 
 from lightning.pytorch.callbacks import ModelSummary
 
-from lightning_shard.engine.hooks import ShardRuntime
+from lightning_shard.engine.runtime.hooks import ShardRuntime
 
 
 class _FullShapeCounts:

@@ -2,7 +2,7 @@
 by ShardStrategy; ``ShardedEMA`` (ema.py) is its ``EMAWeightAveraging``.
 
 Lightning's callback deep-copies the whole LightningModule before the strategy shards it and averages its
-parameters into the copy; this one keeps the average as sharded as the model (engine/averaging.py: 1/N of the
+parameters into the copy; this one keeps the average as sharded as the model (engine/runtime/averaging.py: 1/N of the
 weights per rank, beside the master shards, on the host when they are offloaded). Everything else is Lightning's:
 the same options and ``should_update``, the average swapped in for validation and into the model when training
 ends, and the same checkpoint layout (the average as ``state_dict``, so ``load_from_checkpoint`` and
@@ -21,8 +21,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_shard.checkpoint.io import CURRENT
-from lightning_shard.engine.averaging import AveragedShards, AverageUpdate, averaged_model_update
-from lightning_shard.engine.hooks import ShardRuntime
+from lightning_shard.engine.runtime.averaging import AveragedShards, AverageUpdate, averaged_model_update
+from lightning_shard.engine.runtime.hooks import ShardRuntime
 
 AVERAGING_STATE = "averaging_state"  # Lightning's key for the averaged model's other state (``n_averaged``)
 

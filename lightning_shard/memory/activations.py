@@ -13,8 +13,8 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from lightning_shard.engine.activation_checkpointing import checkpoint_targets, wrap_forward
-from lightning_shard.engine.plan import plan_units
+from lightning_shard.engine.plan.plan import plan_units
+from lightning_shard.engine.runtime.activation_checkpointing import checkpoint_targets, wrap_forward
 from lightning_shard.memory.tracker import LiveBytes
 
 

@@ -44,12 +44,13 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import Tensor, nn
 
-from lightning_shard.engine.activation_checkpointing import CheckpointSpec, validate_activation_checkpointing
-from lightning_shard.engine.fused_default import FusedWhereUnchosen, fused_by_default
-from lightning_shard.engine.groups import validate_shard_size, validate_sharding
-from lightning_shard.engine.offload import host_step_fused, validate_offload
-from lightning_shard.engine.optimizer_step import DEFAULT_STEP_GROUP_NUMEL
-from lightning_shard.engine.plan import UnitSpec, full_precision_classes, plan_units
+from lightning_shard.engine.comm.groups import validate_shard_size, validate_sharding
+from lightning_shard.engine.optim.fused_default import FusedWhereUnchosen, fused_by_default
+from lightning_shard.engine.optim.host_optimizer import host_step_fused
+from lightning_shard.engine.optim.optimizer_step import DEFAULT_STEP_GROUP_NUMEL
+from lightning_shard.engine.plan.plan import UnitSpec, full_precision_classes, plan_units
+from lightning_shard.engine.runtime.activation_checkpointing import CheckpointSpec, validate_activation_checkpointing
+from lightning_shard.engine.storage.offload import validate_offload
 from lightning_shard.memory.activations import activation_bytes
 from lightning_shard.memory.tracker import LiveBytes
 from lightning_shard.memory.units import UnitSize, planned_sizes, sharded_sizes
@@ -143,7 +144,7 @@ def estimate_memory(
     returns the loss of one local (per-rank) ``batch``; without it no activations are counted.
     ``optimizer`` is called like ``optimizer(params)``: an optimizer class or a ``functools.partial``.
     ``param_dtype`` is the gather/compute dtype (mixed precision), ``master_dtype`` that of the shards.
-    ``whole``: the optimizer steps whole parameters on owner ranks (``engine/optimizers.py``);
+    ``whole``: the optimizer steps whole parameters on owner ranks (``engine/optim/optimizers.py``);
     ``step_group_numel``: the strategy's ``step_group_size``; ``offload``: the strategy's.
     ``autocast``: the dtype ``step`` runs under ``torch.autocast`` in training (Lightning's mixed precisions).
     ``zero_grad_before_backward``: gradients are cleared between a step's forward and its backward, as Lightning's
@@ -228,7 +229,7 @@ def combine(sizes: list[UnitSize], master: torch.dtype, param_dtype: torch.dtype
         gathered = sum(others[: 1 + ahead])
     else:  # grad_op keeps every unit gathered from its forward to its backward; none keeps them always
         gathered = sum(others)
-    # the root's gradients build up through all of backward; a unit's until its reduction (``engine/reduce.py``),
+    # the root's gradients build up through all of backward; a unit's until its reduction (``engine/runtime/reduce.py``),
     # which flattens them into the reduce dtype (master's here), computing in another through a concatenation in
     # theirs. The reduction left in flight while the next unit computes is not added: that unit's activations are
     # freed by then, which outweigh it unless activations are tiny
@@ -238,7 +239,7 @@ def combine(sizes: list[UnitSize], master: torch.dtype, param_dtype: torch.dtype
     else:
         casting = b_param if param_dtype != master else 0
         grads_in_flight = root_grads * b_param + largest * (b_param + b_master + casting)
-    # accumulated without reduction: summed in the reduction's dtype, the master's here (engine/unsharded_grads.py)
+    # accumulated without reduction: summed in the reduction's dtype, the master's here (engine/storage/unsharded_grads.py)
     unsharded = sum(u.grad_numel for u in sizes) * b_master
     if offload is not None:  # the gradient shards go to the host as they are made
         in_forward, in_backward = held.bytes(0, unsharded)
@@ -267,7 +268,7 @@ def combine(sizes: list[UnitSize], master: torch.dtype, param_dtype: torch.dtype
 
 
 def step_scratch(sizes: list[UnitSize], b_master: int, optimizer: OptimizerProfile, step_group_numel: int) -> int:
-    """Temporaries of one optimizer step (``engine/optimizer_step.py``): it runs one step group at a time."""
+    """Temporaries of one optimizer step (``engine/optim/optimizer_step.py``): it runs one step group at a time."""
     stepped = sum(u.stepped for u in sizes)
     largest = max((u.largest for u in sizes), default=0)
     ranks = max((u.padded // u.shard for u in sizes if u.shard), default=1)

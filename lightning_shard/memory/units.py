@@ -1,7 +1,7 @@
 """Unit sizes for the memory estimate, counted by dtype: a unit's shard, gathered buffer and gradients in the dtypes it
 holds them in. A unit of one dtype holds ``elements x size``; a unit of several (a bf16 base beside fp32 adapters,
-packed 4-bit weights and their quantization state: ``engine/mixed_shard.py``) is laid out here exactly as the engine
-lays it out (``engine/mixed_layout.py``), its bytes read off that layout, on the rank that holds the most of them
+packed 4-bit weights and their quantization state: ``engine/storage/mixed_shard.py``) is laid out here exactly as the engine
+lays it out (``engine/storage/mixed_layout.py``), its bytes read off that layout, on the rank that holds the most of them
 (their trainable parts are spread over the ranks unit by unit, so a rank's total is not a sum of each unit's most)."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from lightning_shard.engine.mixed_layout import MixedSlot, is_mixed, master_layout, mixed_slots, part, place
-from lightning_shard.engine.mixed_shard import MixedShard
+from lightning_shard.engine.storage.mixed_layout import MixedSlot, is_mixed, master_layout, mixed_slots, part, place
+from lightning_shard.engine.storage.mixed_shard import MixedShard
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class UnitSize:
 
 def uniform_size(numel: int, ranks: int, is_root: bool, largest: int, trainable: int, master: torch.dtype,
                  compute: torch.dtype) -> UnitSize:
-    """A unit of one dtype: a unit that trains reduces its whole flat shard (``engine/flat_shard.py``), and one that
+    """A unit of one dtype: a unit that trains reduces its whole flat shard (``engine/storage/flat_shard.py``), and one that
     does not gets no gradients at all (a frozen LoRA base's embeddings and head). The optimizer holds state for its
     trainable elements alone, counted whole on each rank (a LoRA unit's few may all lie in one rank's shard)."""
     shard = -(-numel // ranks)

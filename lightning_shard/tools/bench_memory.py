@@ -62,7 +62,7 @@ class _Phases(dict):
 
 
 def _rank_main(rank: int, world: int, args, port: int, out: str) -> None:
-    from lightning_shard.engine.optimizers import WHOLE, optimizer_kind
+    from lightning_shard.engine.optim.optimizers import WHOLE, optimizer_kind
     from lightning_shard.engine.shard_module import shard_module
     from lightning_shard.memory.estimate import estimate_sharded
 

@@ -1,4 +1,4 @@
-"""A unit of several dtypes gathered in one collective (its bytes, ``engine/mixed_shard.py``) against one collective
+"""A unit of several dtypes gathered in one collective (its bytes, ``engine/storage/mixed_shard.py``) against one collective
 per dtype, on the CPU (gloo), one thread per rank:
 
     python -m lightning_shard.tools.bench_mixed --world 2 --hidden 2048 --intermediate 5632 --rank-lora 16

@@ -27,7 +27,6 @@ import os
 import pickle
 import statistics
 import time
-from typing import Optional
 
 import torch
 
@@ -63,9 +62,9 @@ def run_one(name: str, config: str, device: str, steps: int, warmup: int) -> dic
     import lightning as L
 
     from lightning_shard import ShardStrategy
-    from lightning_shard.engine.host_step import HostStepper
-    from lightning_shard.engine.offload import HostShard
-    from lightning_shard.engine.optimizer_step import ShardedStep
+    from lightning_shard.engine.optim.host_step import HostStepper
+    from lightning_shard.engine.optim.optimizer_step import ShardedStep
+    from lightning_shard.engine.storage.offload import HostShard
 
     mode, _, batch_text = config.partition(":")
     offload = None if mode == "none" else mode.removesuffix("-serial")

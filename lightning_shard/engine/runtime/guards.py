@@ -1,0 +1,148 @@
+"""The sharded tree used as a plain module (issue 14, item 10), mixed into ``ShardRuntime``.
+
+The tree holds 1-D shard parameters viewing each unit's flat storage. A conversion (``.half()``, ``.to()``,
+``.cpu()`` ... all go through ``nn.Module._apply``) would give them new tensors that no gather reads, and
+``state_dict()`` would return the shards. Both are wrapped on the modules themselves, at setup.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, nn
+
+from lightning_shard.engine.storage.quantized import full_parameters
+from lightning_shard.engine.storage.unit import Unit
+
+
+class ModuleGuards:
+    root: nn.Module
+    units: list[Unit]
+    undo: list[Callable[[], None]]
+
+    _plain_depth = 0  # inside plain_state_dict(): state_dict() returns the tree as it is
+    _full_depth = 0  # inside a guarded state_dict(): the full tensors are registered
+    _converting = False  # inside a guarded _apply, whose subtree was checked
+    apply_checks: Sequence[Callable[[], None]] = ()  # more reasons to refuse any conversion (the strategy's)
+
+    def install_guards(self) -> None:
+        """Wrap ``_apply`` of every module of the tree (a conversion may be called on any submodule) and
+        ``state_dict`` of every module that holds a sharded parameter or has one below it; :meth:`remove_hooks`
+        unwraps them."""
+        self._param_names = {id(p): slot.names[0] for unit in self.units for slot, *params in
+                             zip(unit.storage.slots, unit.storage.shard_params, unit.storage.gathered_params)
+                             for p in params}
+        owners = {id(module) for unit in self.units for slot in unit.storage.slots for module, _ in slot.locations}
+        for module in self.root.modules():
+            self._wrap(module, "_apply", self._guarded_apply)
+            if any(id(m) in owners for m in module.modules()):
+                self._wrap(module, "state_dict", self._guarded_state_dict)
+
+    def _wrap(self, module: nn.Module, name: str, guard: Callable[..., Any]) -> None:
+        had = module.__dict__.get(name)
+        original = getattr(module, name)
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return guard(module, original, *args, **kwargs)
+
+        def restore() -> None:
+            if module.__dict__.get(name) is wrapper:
+                if had is None:
+                    del module.__dict__[name]
+                else:
+                    module.__dict__[name] = had
+
+        module.__dict__[name] = wrapper  # an instance attribute: the recursion over children finds it too
+        self.undo.append(restore)
+
+    def _guarded_apply(self, module: nn.Module, original: Callable[..., Any], fn: Callable[[Tensor], Any],
+                       *args: Any, **kwargs: Any) -> Any:
+        if self._converting:  # a submodule of a conversion already checked
+            return original(fn, *args, **kwargs)
+        for check in self.apply_checks:
+            check()
+        recurse = kwargs.get("recurse", args[0] if args else True)
+        self._refuse_conversion(module, fn, recurse)
+        self._converting = True
+        try:
+            return original(fn, *args, **kwargs)
+        finally:
+            self._converting = False
+
+    def _refuse_conversion(self, module: nn.Module, fn: Callable[[Tensor], Any], recurse: bool) -> None:
+        """``fn`` may run on the shard (or gathered) parameters only if it returns them unchanged: probed on an
+        empty tensor of each of their dtypes and devices before anything is converted. ``.to(device)`` onto the
+        device they are on (Lightning calls it) returns its input, so it passes."""
+        kinds: dict[tuple[torch.dtype, torch.device], str] = {}
+        for submodule in module.modules() if recurse else (module,):
+            for param in submodule._parameters.values():
+                name = self._param_names.get(id(param)) if param is not None else None
+                if name is not None:
+                    for tensor in (param, param.grad):
+                        if tensor is not None:
+                            kinds.setdefault((tensor.dtype, tensor.device), name)
+        for (dtype, device), name in kinds.items():
+            probe = torch.empty(0, dtype=dtype, device=device)
+            out = fn(probe)
+            if out is probe:
+                continue
+            changes = []
+            if isinstance(out, Tensor) and out.dtype != dtype:
+                changes.append(f"dtype {dtype} -> {out.dtype}")
+            if isinstance(out, Tensor) and out.device != device:
+                changes.append(f"device {device} -> {out.device}")
+            change = " and ".join(changes) or "new tensors (as `.to_empty()` makes)"
+            raise RuntimeError(
+                f"lightning_shard: this model is sharded; converting it ({change}, parameter {name!r} first) would"
+                " detach its shard parameters from the storage that gathers read, so the optimizer would update"
+                " tensors the model never computes with. After sharding, `.half()`, `.float()`, `.double()`,"
+                " `.bfloat16()`, `.to(dtype)`, `.to(device)`, `.cpu()`, `.cuda()` and `.to_empty()` are refused"
+                " (a `.to()` that changes nothing is fine). Choose the dtypes with ShardStrategy(mixed_precision=...)"
+                " or the Trainer's `precision` (shard_module: param_dtype, reduce_dtype, buffer_dtype) and let the"
+                " Trainer choose the device (shard_module: `device`); or convert the model before it is sharded."
+            )
+
+    @contextmanager
+    def plain_state_dict(self) -> Iterator[None]:
+        """``state_dict()`` of the tree as it is: this rank's 1-D shards, or whatever the caller registered in
+        their place (the checkpoint code, which gathers on every rank itself)."""
+        self._plain_depth += 1
+        try:
+            yield
+        finally:
+            self._plain_depth -= 1
+
+    def _guarded_state_dict(self, module: nn.Module, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Alone (one rank, or ``sharding="none"``) the full tensors are this rank's: ``state_dict()`` is the
+        plain model's, no collective needed. Sharded over several ranks it would need every rank to gather,
+        and a ``state_dict()`` called on rank 0 only would hang there: refused, naming what to call."""
+        if self._plain_depth or self._full_depth:
+            return original(*args, **kwargs)
+        spread = [unit for unit in self.units if unit.storage.world_size > 1]
+        if spread:
+            raise RuntimeError(
+                f"lightning_shard: `state_dict()` of a model sharded over {spread[0].storage.world_size} ranks would"
+                " give this rank's 1-D shards, and the full tensors need an all-gather on every rank (called on one"
+                " rank only, it would hang). Call `lightning_shard.checkpoint.full.full_state_dict(model._shard_runtime)`"
+                " on every rank (rank 0 gets the full state dict) or `trainer.save_checkpoint(path)`; for this"
+                " rank's shards as they are, call it inside `with model._shard_runtime.plain_state_dict():`."
+            )
+        held = [(owner, attr, owner._parameters[attr]) for unit in self.units for slot in unit.storage.slots
+                for owner, attr in slot.locations]
+        self._full_depth += 1
+        try:
+            for unit in self.units:
+                storage = unit.storage  # each shard is its whole parameter: one rank holds all
+                values = [shard.detach().view(slot.shape) for slot, shard in zip(storage.slots, storage.shard_params)]
+                fulls = full_parameters(storage.slots, values, [shard.requires_grad for shard in storage.shard_params])
+                for slot, full in zip(storage.slots, fulls):
+                    for owner, attr in slot.locations:
+                        owner._parameters[attr] = full
+            return original(*args, **kwargs)
+        finally:
+            self._full_depth -= 1
+            for owner, attr, param in held:
+                owner._parameters[attr] = param

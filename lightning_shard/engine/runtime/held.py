@@ -1,0 +1,165 @@
+"""What the runtime holds alike on every rank between steps: the buffers, made rank 0's (DDP's
+``broadcast_buffers``); the shards, holding what was given to their parameters; and, for evaluation and generation,
+every unit gathered: one all-gather per unit for a whole loop and no collective inside it, so ranks may run different
+numbers of forwards (generate to different lengths).
+
+A write to the held parameters (``with torch.no_grad(): model.fc.weight.mul_(2)``) lands in the gathered buffers,
+which are freed on exit: it is kept with ``modifier_rank`` (DeepSpeed's ``GatheredParameters(modifier_rank=)``: that
+rank's values written back into every rank's shards), and otherwise refused on exit, naming the parameters, rather
+than lost. A write is seen by the version counters of the gathered parameters (any in-place op on them or their views,
+on any rank) and by each rank comparing its own part of the buffers with its shard, bit for bit (a write through
+``.data``, which no counter sees, on the rank that owns the element: code every rank runs). (So these gathers are not
+written back when freed, as a step's are: gather.py.)"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from lightning_shard.engine.comm import collectives
+from lightning_shard.engine.storage.unit import Unit
+
+_SAME_SIZE_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class HeldUnits:
+    """Mixed into ShardRuntime (``units``, ``schedule``, ``root_unit``, the step state it reads)."""
+
+    units: list[Unit]
+
+    def adopt_rebound_shards(self) -> None:
+        """Shard parameters given other tensors between steps (``p.data = ...``: a momentum teacher's update) hold
+        their values in the shards again: before anything reads the shards (a gather does it itself; a checkpoint)."""
+        for unit in self.units:
+            unit.storage.adopt_rebound_shards()
+
+    @torch.no_grad()
+    def sync_buffers(self) -> None:
+        """Rank 0's buffers (BatchNorm running statistics ...) on every rank, one broadcast per dtype: DDP's
+        ``broadcast_buffers``, and one consistent copy for a checkpoint. Every rank must call it."""
+        if self.world_size == 1:
+            return
+        by_kind: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+        for buffer in self.root.buffers():
+            by_kind.setdefault((buffer.dtype, buffer.device), []).append(buffer)
+        for (dtype, _), buffers in by_kind.items():
+            flat = collectives.broadcast(torch.cat([b.reshape(-1) for b in buffers]), self.group, self.stats,
+                                         label=f"broadcast of the {dtype} buffers")
+            for buffer, value in zip(buffers, flat.split([b.numel() for b in buffers])):
+                buffer.copy_(value.view_as(buffer))
+        self._buffers_stale = False
+
+    @contextmanager
+    def keep_gathered(self, modifier_rank: Optional[int] = None) -> Iterator[None]:
+        """Hold every unit gathered for a whole evaluation or generation loop. Every rank must enter (one
+        all-gather per unit); inside, forwards run no collective at all, so ranks may run different numbers of
+        them (generate to different lengths) without waiting for one another. Forwards without gradients only.
+        It costs :meth:`held_bytes` for as long as it lasts: the whole model's parameters in the gather dtype.
+
+        Writes to the parameters inside are kept with ``modifier_rank`` (a rank of the runtime's group): that rank's
+        values are written back into the shards on exit (one broadcast per unit), on every rank; computing in a
+        lower dtype, only the elements it wrote change their masters. Without it a write is an error on exit, on
+        every rank, naming the parameters (their version counters, and each rank's part of the buffers compared with
+        its shard; one tiny all-reduce). Leaving by an exception runs no collective: writes are then lost."""
+        if modifier_rank is not None and (not isinstance(modifier_rank, int) or isinstance(modifier_rank, bool)
+                                          or not 0 <= modifier_rank < self.world_size):
+            raise ValueError(f"lightning_shard: keep_gathered(modifier_rank=...) takes a rank of the runtime's group,"
+                             f" 0 to {self.world_size - 1} (or None: writes refused); got {modifier_rank!r}.")
+        if self._held:  # nested: the outer one holds them, and decides what becomes of writes
+            if modifier_rank is not None and modifier_rank != self._modifier_rank:
+                raise ValueError("lightning_shard: a keep_gathered(modifier_rank=...) nested in another that does not"
+                                 " give the same modifier_rank: give it to the outermost one, which writes back.")
+            yield
+            return
+        if self._depth or self._final_callback_queued:
+            raise RuntimeError("lightning_shard: keep_gathered() entered inside a step or a backward; enter it"
+                               " between steps, on every rank.")
+        if self.broadcast_buffers and self._buffers_stale:
+            self.sync_buffers()
+            self._buffers_stale = False
+        for unit in self.units:
+            self.schedule.gather(unit)
+        self._held, self._modifier_rank = True, modifier_rank
+        versions = _versions(self.units)
+        try:
+            yield
+            if modifier_rank is None:
+                self._refuse_writes(versions)
+            else:
+                self._write_back(modifier_rank)
+        finally:
+            self._held = False
+            for unit in self.units:
+                self.schedule.reshard(unit)
+
+    _modifier_rank: Optional[int] = None
+
+    @torch.no_grad()
+    def _refuse_writes(self, versions: list[list[int]]) -> None:
+        written = [int(flag) for unit, before in zip(self.units, versions) for flag in _slots_written(unit, before)]
+        if self.world_size > 1 and written:
+            written = collectives.agree(torch.tensor(written, dtype=torch.int64), self.group, self.stats,
+                                        label="agreement on the parameters written in keep_gathered()").tolist()
+        names = [slot.names[0] for unit in self.units for slot in unit.storage.slots]
+        written_names = [name for name, flag in zip(names, written) if flag]
+        if written_names:
+            raise RuntimeError(
+                f"lightning_shard: {written_names[:4]} were written inside keep_gathered(), in the gathered copies it"
+                " frees on exit, so the write would be lost. Pass keep_gathered(modifier_rank=0) to write that rank's"
+                " values back into every rank's shards (as DeepSpeed's GatheredParameters(modifier_rank=0)), or write"
+                " between steps through the optimizer's parameters.")
+
+    @torch.no_grad()
+    def _write_back(self, modifier_rank: int) -> None:
+        for unit in self.units:
+            storage = unit.storage
+            if self.world_size > 1:  # the modifier's whole buffer to every rank of every replica
+                collectives.broadcast(storage.gathered_data, self.group, self.stats, src=modifier_rank,
+                                      label=f"broadcast of unit {unit.name!r}'s values written in keep_gathered()")
+            if storage.aliases_shard:  # the buffer is the shard: written already
+                continue
+            own, changed = _own_part_changed(unit)
+            if bool(changed.any()) and storage.master_dtype != storage.shard.dtype:  # bytes (mixed_shard.py)
+                raise RuntimeError(
+                    f"lightning_shard: keep_gathered(modifier_rank=...) wrote into unit {unit.name!r}, whose"
+                    " parameters are of several dtypes (a bf16 base beside fp32 adapters, 4-bit weights): their"
+                    " writes are not taken back into the shards. Make the change before sharding, or in training.")
+            if bool(changed.any()):
+                master = storage.shard
+                master.copy_(torch.where(changed.to(master.device), own.to(master.device, master.dtype), master))
+                storage.shards_changed()
+
+    def held_bytes(self) -> int:
+        """Bytes per rank that :meth:`keep_gathered` adds while it holds every unit (the root is gathered in
+        every step anyway, and a unit that is its own shard needs no gathered copy)."""
+        return sum(u.storage.gathered_nbytes for u in self.units if not u.storage.aliases_shard and u is not self.root_unit)
+
+
+def _versions(units: list[Unit]) -> list[list[int]]:
+    """Per unit, the version counters of its gathered parameters, slot by slot."""
+    return [[param._version for param in unit.storage.gathered_params] for unit in units]
+
+
+def _own_part_changed(unit: Unit) -> tuple[Tensor, Tensor]:
+    """This rank's part of the unit's gathered buffer, and which of its elements differ (bit for bit) from its shard
+    in the compute dtype, the values the buffer was gathered from."""
+    storage = unit.storage
+    own = storage.gathered_data[storage.shard_start: storage.shard_start + storage.shard_numel]
+    before = storage.shard_for_gather()
+    bits = _SAME_SIZE_INTS[own.element_size()]
+    return own, own.view(bits) != before.view(bits)
+
+
+def _slots_written(unit: Unit, versions: list[int]) -> list[bool]:
+    """Per slot of the unit, whether it was written since it was gathered (``versions``: its gathered parameters'
+    counters then): by an op the counter sees, or in this rank's part of it."""
+    if unit.storage.aliases_shard:  # the buffer is the shard: a write is in place, as without sharding
+        return [False] * len(unit.storage.slots)
+    _, changed = _own_part_changed(unit)
+    return [param._version != before or bool(changed[lo:hi].any())
+            for param, before, (lo, hi) in zip(unit.storage.gathered_params, versions,
+                                               unit.storage.own_gather_ranges())]

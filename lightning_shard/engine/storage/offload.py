@@ -1,0 +1,229 @@
+"""CPU offload: a unit's training state in host memory, its optimizer stepped by the CPU.
+
+``offload="optimizer"`` (ZeRO-Offload): the fp32 master shard, its gradient and so the optimizer's state live in
+host memory (pinned on a GPU machine); the device keeps the shard in the compute dtype between steps, the
+all-gather's input. ``offload="params"`` (FSDP2's ``CPUOffloadPolicy``) keeps nothing of the unit on the device
+between steps: each all-gather copies the shard in, on the gather stream, ahead of use (the prefetch bound).
+
+Per step: each unit's reduced gradient shard is copied to the host on the reduce stream as soon as its reduction
+completes (overlapping the rest of backward). Overlapped (host_step.py, where armed): a host thread waits for each
+unit's copy, steps that unit, makes its staging copy and queues its copy back to the device while backward goes on.
+Serial (otherwise): the host waits for the copies once, at the end of backward, and the optimizer steps the host
+shards; the next gathers make the staging copies and copy them back.
+
+Note: the host-to-device copies read a pinned *staging* copy of the shard in the compute dtype (cast on the host:
+half the bytes over PCIe under bf16), never the master shard itself: the optimizer writes the master while copies
+may still be queued, whereas the staging copy is rewritten only after its last copy has landed. It is rewritten
+from the master at the first gather of every step (whatever wrote the shards between steps: the optimizer, a load,
+a callback's ``p.data.clamp_()``; unless ``restage_each_step`` is off, where the overlapped step made it and no hook
+of the user's runs between steps), after every optimizer step (a second forward in the same step), whenever the
+shard's version counter moved, and whenever a shard parameter's ``.data`` was touched. Not counted on: fused
+optimizers and ``.data`` writes leave the counter alone.
+
+On a CPU run the "device" is the host: the same code runs with plain host copies, which changes nothing for memory
+but lets the host-step path be tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import weakref
+from contextlib import nullcontext
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor, nn
+
+from lightning_shard.engine.storage.flat_shard import FlatShard, ParamSlot
+
+OFFLOAD = (None, "optimizer", "params")
+
+
+def validate_offload(value: object) -> Optional[str]:
+    if value is False:
+        return None
+    if value not in OFFLOAD:
+        raise ValueError(
+            f"`offload` must be None (null in a Hydra config: everything on the device), 'optimizer' (master weights,"
+            f" gradients and"
+            f" optimizer state in host memory, stepped by the CPU) or 'params' (also no shard on the device"
+            f" between steps); got {value!r}.")
+    return value  # type: ignore[return-value]
+
+
+class _Landed:
+    """Whether copies issued on the device have landed: a CUDA event, or nothing to wait for on the host."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"
+        self._event: Optional[torch.cuda.Event] = None
+
+    def record(self) -> None:
+        if self._cuda:
+            self._event = torch.cuda.Event()
+            self._event.record()  # on the current stream: the one that issued the copies
+
+    def wait(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+
+    def arrived(self) -> bool:
+        """Whether the copies have landed (without waiting)."""
+        return self._event is None or self._event.query()
+
+    def wait_on_device(self) -> None:
+        """The current stream waits for the copies (the host does not)."""
+        if self._event is not None:
+            torch.cuda.current_stream().wait_event(self._event)
+            self._event = None
+
+
+class _HostShardParameter(nn.Parameter):
+    """An offloaded unit's shard parameter (the master, between steps): ``.data``, read or set, makes the unit's
+    copies for the device stale, as an in-place write's version bump does (a write through ``.data`` bumps none).
+    The overlapped step reuses the copies it made (``restage_each_step`` off): a weight constraint written through
+    ``.data`` in ``training_step``, before the forward, must reach that forward (WGAN's clipping)."""
+
+    _host_shard: Callable[[], Optional["HostShard"]]
+
+    @property  # type: ignore[override]
+    def data(self) -> Tensor:
+        self._copies_stale()
+        return Tensor.data.__get__(self)
+
+    @data.setter
+    def data(self, value: Tensor) -> None:
+        self._copies_stale()
+        Tensor.data.__set__(self, value)
+
+    def _copies_stale(self) -> None:
+        storage = self._host_shard()
+        if storage is not None:
+            storage.forget_staging()
+
+
+class HostShard(FlatShard):
+    """A :class:`FlatShard` whose master shard (and so the shard parameters, their gradients and the optimizer's
+    state) lives in host memory; ``keep_on_device``: the compute-dtype shard stays on the device between steps."""
+
+    offloaded = True
+    steps_overlapped = True  # its optimizer step may run as its gradients land (host_step.py)
+
+    def __init__(self, slots: list[ParamSlot], flat: Tensor, rank: int, world_size: int,
+                 param_dtype: Optional[torch.dtype] = None, *, keep_on_device: bool) -> None:
+        self.pinned = flat.device.type == "cuda"  # page-locked host memory, where a GPU copies from and to it
+        # the storage in a class attribute, one class per unit: an attribute of the tensor would be pickled with it
+        self.shard_parameter = type("HostShardParameter", (_HostShardParameter,), {"_host_shard": weakref.ref(self)})
+        super().__init__(slots, flat, rank, world_size, param_dtype)
+        self.keep_on_device = keep_on_device
+        # in the gathered buffer's dtype (a unit of several dtypes: bytes, engine/storage/mixed_shard.py)
+        self._staging = torch.empty(self.shard_numel, dtype=self.gathered.dtype, pin_memory=self.pinned)
+        self._stale = True  # the shards were written since the staging copy was made (shards_changed)
+        self._staged_version = -1  # the shard's version counter when the staging copy was made
+        self._stagings = 0  # how many times the staging copy was made: what the device copy is of
+        self._staging_read = _Landed(self.device)  # the last copy from the staging buffer to the device
+        self._grads_landed = _Landed(self.device)
+        self._on_device: Optional[Tensor] = None  # keep_on_device: the shard in the compute dtype
+        self._on_device_of = -1  # the staging it copies
+        self._uploaded = _Landed(self.device)  # its copy queued by the overlapped step, on another stream
+        self.uploads = 0  # copies of the master to the device the overlapped step made (tests)
+        self._staged_by_step = False  # the overlapped step staged the new values: the step's end changes nothing
+
+    def _new_shard(self, numel: int, dtype: torch.dtype) -> Tensor:
+        return torch.zeros(numel, dtype=dtype, pin_memory=self.pinned)
+
+    # -- host to device -----------------------------------------------------------------------------
+    def shards_changed(self) -> None:
+        if self._staged_by_step:  # the optimizer step's end, after the overlapped step staged what it wrote
+            self._staged_by_step = False
+            return
+        self._stale = True
+
+    def forget_staging(self) -> None:
+        """The shard was written again after :meth:`stage_after_step` (a speculative step undone), or may have been
+        (a shard parameter's ``.data``)."""
+        self._staged_by_step = False
+        self._stale = True
+
+    def stage_after_step(self, copy_stream: Optional[torch.cuda.Stream]) -> None:
+        """The overlapped step (host_step.py, its worker thread), right after stepping this shard, while the device
+        computes. ``params``: the staging copy made from the new values (the gathers copy it in). ``optimizer``: the
+        master shard itself copied to the device on ``copy_stream`` and cast there into the device's copy, with no
+        staging cast on the host (half the host's memory traffic of a cast, and none of its cores); the next gather
+        only waits for that copy. Safe without a staging copy: the next write to this master is this unit's next
+        step, after its next gradient landed, which the device made after a gather that waited for this copy; a
+        write from anywhere else (an undone step, a load, ``p.data`` between steps) makes the next gather copy it
+        again after this copy, which it waits for first (:meth:`_device_copy`)."""
+        if not self.keep_on_device:
+            self._stale = True
+            self._staged()
+        else:
+            if self._on_device is None:
+                self._on_device = torch.empty(self.shard_numel, dtype=self.param_dtype, device=self.device)
+            with torch.cuda.stream(copy_stream) if copy_stream is not None else nullcontext():
+                if self.pinned and self.master_dtype != self.param_dtype:
+                    master = torch.empty(self.shard_numel, dtype=self.master_dtype, device=self.device)
+                    master.copy_(self.shard, non_blocking=True)
+                    self._on_device.copy_(master)  # the cast, on the device (round to nearest even, as the host's)
+                else:
+                    self._on_device.copy_(self.shard, non_blocking=True)
+                self._uploaded.record()
+            self.uploads += 1
+            self._stale, self._staged_version = False, self.shard._version
+            self._on_device_of = self._stagings  # (the staging copy itself is rewritten before it is read again)
+        self._staged_by_step = True
+
+    def _staged(self) -> Tensor:
+        """The staging copy, rewritten first if the shard may have changed since (its version counter moved, or
+        :meth:`shards_changed`: fused optimizers and ``.data`` writes leave the counter alone)."""
+        version = self.shard._version
+        if self._stale or self._staged_version != version:
+            self._staging_read.wait()  # never rewrite what a queued copy still reads
+            self.write_gather_input(self._staging)
+            self._stale, self._staged_version = False, version
+            self._stagings += 1
+        return self._staging
+
+    def _to_device(self, out: Tensor) -> Tensor:
+        out.copy_(self._staged(), non_blocking=True)
+        self._staging_read.record()
+        return out
+
+    def _device_copy(self) -> Tensor:
+        """The compute-dtype shard on the device, in the current stream's order (the gather stream's)."""
+        if not self.keep_on_device:
+            return self._to_device(torch.empty(self.shard_numel, dtype=self.gathered.dtype, device=self.device))
+        staged = self._staged()
+        self._uploaded.wait_on_device()  # a copy the overlapped step queued (on CUDA; else done already)
+        if self._on_device is None:
+            self._on_device = torch.empty(self.shard_numel, dtype=self.gathered.dtype, device=self.device)
+        if self._on_device_of != self._stagings:
+            self._on_device.copy_(staged, non_blocking=True)
+            self._staging_read.record()
+            self._on_device_of = self._stagings
+        return self._on_device
+
+    def shard_for_gather(self) -> Tensor:
+        return self._device_copy()
+
+    def fill_gathered(self, buffer: Tensor) -> None:
+        if self.keep_on_device:
+            buffer.copy_(self._device_copy())
+        else:
+            self._to_device(buffer)
+
+    # -- device to host -----------------------------------------------------------------------------
+    def grad_to_host(self, reduced: Tensor) -> Tensor:
+        """Start copying the reduced gradient shard to host memory (in the current stream's order, the reduce
+        stream's): the returned buffer is read after :meth:`await_host_grads`."""
+        host = torch.empty(reduced.numel(), dtype=reduced.dtype, pin_memory=self.pinned)
+        host.copy_(reduced, non_blocking=True)
+        self._grads_landed.record()
+        return host
+
+    def await_host_grads(self) -> None:
+        self._grads_landed.wait()
+
+    def grads_arrived(self) -> bool:
+        """Whether the gradient's copy to the host has landed (:meth:`await_host_grads` would not wait)."""
+        return self._grads_landed.arrived()
