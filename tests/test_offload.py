@@ -97,3 +97,30 @@ def test_optimizers_that_step_on_the_gpu_only_are_refused(monkeypatch):
     optimizer.param_groups[0]["fused"] = True  # as a torch whose CPU has no fused kernel would have it
     with pytest.raises(ValueError, match=r"AdamW\(fused=True\) has no CPU kernel"):
         runtime.attach_optimizer(optimizer)
+
+
+def test_offloaded_optimizer_state_stays_on_the_host_at_setup(monkeypatch):
+    # Lightning's setup moves every optimizer's state to the root device: torch's Adagrad builds its state when it is
+    # built, so on a GPU its offloaded accumulators went to the device while the CPU steps the host shards (issue 49's
+    # suspicion). On the CPU the move is a no-op, so the test watches for it.
+    import lightning as L
+
+    import lightning_shard.lightning.strategy as strategy_module
+    from lightning_shard import ShardStrategy
+    from tests.lightning_app import LitGPT, loader
+    from tests.world import one_rank_here
+
+    moved = []
+    monkeypatch.setattr(strategy_module, "_optimizers_to_device", lambda optimizers, device: moved.append(device))
+
+    class AdagradGPT(LitGPT):
+        def configure_optimizers(self):
+            return torch.optim.Adagrad(self.parameters(), lr=1e-2, initial_accumulator_value=0.1)
+
+    for offload in ("optimizer", None):
+        with one_rank_here():
+            trainer = L.Trainer(accelerator="cpu", devices=1, strategy=ShardStrategy(offload=offload), max_steps=2,
+                                logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                                enable_model_summary=False, num_sanity_val_steps=0)
+            trainer.fit(AdagradGPT(), loader(1))
+    assert len(moved) == 1, moved  # the run without offload only

@@ -257,7 +257,8 @@ class ShardStrategy(ProcessGroupMixin, EvaluationHold, CheckpointState, Parallel
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            if self.offload is None:  # offloaded, the state lives beside the host shards (Adagrad builds it at setup)
+                _optimizers_to_device(self.optimizers, self.root_device)
             refuse_weight_averaging(trainer.callbacks)
             refuse_pruning(trainer.callbacks)
             self.check_module_state_dict()
