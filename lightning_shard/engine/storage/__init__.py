@@ -2,6 +2,7 @@
 where the shard lives (the device, or host memory under offload).
 
     flat_shard.py       one flat padded buffer per unit, this rank's shard, shard and gathered parameters
+    slots.py            where one parameter lives in it, and the guard on its shard parameter
     unsharded_grads.py  the gradients taken off the gathered parameters (summed in the reduction's dtype in no_sync)
     outside.py          a unit's parameters reaching code outside it (returned copies, reads that gather)
     offload.py          the master shard in host memory: copies to the device, gradient shards to the host

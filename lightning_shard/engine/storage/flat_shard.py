@@ -17,26 +17,14 @@ the gathered parameters (and anything autograd saved of them) stay valid after a
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 from torch import Tensor, nn
 
 from lightning_shard.engine.storage.outside import GatheredParameters, ShardParameters
+from lightning_shard.engine.storage.slots import ParamSlot, _refuse_autograd_grads
 from lightning_shard.engine.storage.unsharded_grads import UnshardedGrads
-
-
-@dataclass(frozen=True)
-class ParamSlot:
-    """Where one original parameter lives in the flat buffer and in the module tree."""
-
-    names: tuple[str, ...]  # fully qualified names, several for tied weights
-    locations: tuple[tuple[nn.Module, str], ...]  # (module, attribute) pairs that register it
-    shape: torch.Size
-    offset: int  # in the flat (unsharded) buffer
-    numel: int
-    requires_grad: bool
 
 
 class FlatShard:
@@ -399,22 +387,3 @@ class FlatShard:
 def _alive_and_is(grad: Optional[Tensor], view: weakref.ref) -> bool:
     """``grad`` is still the view it was given (not replaced, and not cleared while another view lives on)."""
     return grad is not None and grad is view()
-
-
-def _refuse_autograd_grads(shard: nn.Parameter, slot: ParamSlot) -> None:
-    """Only the reducer gives a shard parameter its ``.grad``. Autograd accumulating into one means the shard,
-    a 1-D slice of this rank's part, was computed with as if it were the parameter: read while its unit was
-    not gathered. Whatever came out (a shape error, or a silently wrong value) must not train on."""
-    if getattr(shard, "_refuses_autograd_grads", False):
-        return
-
-    def refuse(_: Tensor) -> None:
-        raise RuntimeError(
-            f"lightning_shard: {slot.names[0]!r} was used while its unit was not gathered: it was reached through"
-            " `self.parameters()` or a reference kept from outside the step (a penalty over `self.parameters()` in"
-            " training_step), not looked up by name. A unit's parameters are gathered when one of its modules is"
-            " called, or when one of them is looked up by name inside a step (`self.wpe.weight`): read it by name"
-            " there, or compute it inside a forward (weight decay: the optimizer's `weight_decay`).")
-
-    shard.register_post_accumulate_grad_hook(refuse)
-    shard._refuses_autograd_grads = True
