@@ -247,39 +247,42 @@ class MixedShard(FlatShard):
             ranges.append((lo, hi) if hi > lo else (0, 0))
         return ranges
 
-    # -- writes from outside the optimizer (flat_shard.py writes them back; here they are refused) ----------
+    # -- writes from outside the optimizer (a constraint, ``p.data = ...``): kept, as flat_shard.py keeps them ---------
+    def _gathered_view(self, i: int) -> Tensor:
+        slot = self.slots[i]
+        return self.gathered_data[slot.offset : slot.offset + slot.gather_nbytes].view(slot.gather_dtype).view(slot.shape)
+
+    def _shard_view(self, i: int) -> Tensor:
+        return self._master_view(self.shard, i, *self.param_range(self.slots[i], self.rank))
+
     def write_back(self) -> None:
-        """A write into the gathered copy (a constraint ``p.data.clamp_()``, ``p.data = ...``) is not written back to
-        a unit of several dtypes: refused by name, rather than lost. This rank's part of the gathered bytes is what
-        it sent (:meth:`write_gather_input`) unless something wrote it."""
-        rebound = [s.names[0] for s, p in zip(self.slots, self.gathered_params)
-                   if p.untyped_storage().data_ptr() != self.gathered.untyped_storage().data_ptr()]
-        local = self.gathered_data[self.shard_start : self.shard_start + self.shard_numel]
-        sent = torch.empty_like(local)
-        self.write_gather_input(sent)
-        if rebound or not torch.equal(local, sent):
-            written = rebound or [s.names[0] for s in self.slots if s.gather_nbytes and _written(s, self, local, sent)]
-            raise RuntimeError(
-                f"lightning_shard: {written[:4]} were written outside the optimizer (a weight constraint,"
-                " `p.data = ...`) in a unit of several dtypes (a bf16 base beside fp32 adapters, 4-bit weights), which"
-                " does not keep such writes. Make the change before sharding, or inside the optimizer's step.")
+        """This rank's part of the gathered bytes into its shard, where code wrote the gathered copy (``p.data.clamp_()``,
+        ``p.data = ...``): every rank's copy is the whole parameter and each keeps its own part, as DDP keeps the
+        write. The slots gathered as they are stored are those bytes (a copy: the same bytes where nothing wrote); a
+        cast slot (an fp32 adapter gathered in bf16) takes the elements that differ from its master's cast, in the
+        gathered dtype, and its other elements keep their master's precision. (No collective, no host sync.)"""
+        home = self.gathered.untyped_storage().data_ptr()
+        if any(p.untyped_storage().data_ptr() != home for p in self.gathered_params):
+            self._adopt_rebound(self.gathered_params, self.gathered.untyped_storage(), self._gathered_view)
+        if self.aliases_shard:  # the gathered buffer is the shard
+            return
+        local = self.gathered_data[self.shard_start : self.shard_start + self.shard_numel].to(self.shard.device)
+        for at, master_at, numel, master, gather in self._runs:
+            written = local[at : at + numel * gather.itemsize].view(gather)
+            kept = self.shard[master_at : master_at + numel * master.itemsize].view(master)
+            torch.where(written != kept.to(gather), written.to(master), kept, out=kept)
+        self.shard[: self.shard_numel].copy_(local)  # (the cast slots' bytes there are rewritten before each gather)
 
     def adopt_rebound_shards(self, alike_on_every_rank: bool = False) -> bool:
+        """Shard parameters given other tensors (``p.data = t``) hold their values in the shard, viewing it again;
+        whether any had one. Each parameter's storage is asked: an empty piece given an empty tensor counts too, so
+        every rank that ran the same code answers alike."""
         home = self.shard.untyped_storage().data_ptr()
-        rebound = [s.names[0] for s, p in zip(self.slots, self.shard_params) if p.untyped_storage().data_ptr() != home]
-        if rebound:
-            raise RuntimeError(
-                f"lightning_shard: {rebound[:4]} were given other tensors (`p.data = ...`) in a unit of several dtypes"
-                " (a bf16 base beside fp32 adapters, 4-bit weights), which does not take them. Write into them in"
-                " place (`p.data.copy_(...)`, under torch.no_grad()), or make the change before sharding.")
-        return False
-
-
-def _written(slot: MixedSlot, storage: MixedShard, local: Tensor, sent: Tensor) -> bool:
-    """Whether this rank's part of ``slot`` differs between the gathered bytes and those it sent."""
-    lo, hi = slot.offset - storage.shard_start, slot.offset - storage.shard_start + slot.gather_nbytes
-    lo, hi = max(lo, 0), min(hi, storage.shard_numel)
-    return hi > lo and not torch.equal(local[lo:hi], sent[lo:hi])
+        if all(p.untyped_storage().data_ptr() == home for p in self.shard_params):
+            return False
+        self._adopt_rebound(self.shard_params, self.shard.untyped_storage(), self._shard_view)
+        self.shards_changed()
+        return True
 
 
 class MixedUnshardedGrads(UnshardedGrads):
