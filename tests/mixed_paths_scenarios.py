@@ -5,6 +5,7 @@ unfrozen between micro-batches, weight averaging. Against DDP, or one process on
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -12,7 +13,7 @@ import torch.distributed as dist
 
 from lightning_shard.checkpoint.full import full_state_dict
 from lightning_shard.engine.shard_module import shard_module
-from tests.mixed_scenarios import batches, llama_config
+from tests.mixed_scenarios import VOCAB, batches, llama_config
 from tests.world import as_lightning_rank
 
 # below most of lora_A's gaussian start (std 1/r), so the constraint changes them at every step; a power of two, so
@@ -96,6 +97,19 @@ def constraint_against_ddp(rank: int, world: int, cases: list[tuple[str, tuple[s
     return results
 
 
+def averaging_refused(rank: int, world: int) -> str:
+    """ShardedEMA on a bf16 base with fp32 adapters, under bf16-mixed: the error it stops with."""
+    from lightning_shard import ShardedEMA, ShardStrategy
+
+    as_lightning_rank(rank, world)
+    try:
+        _fit(rank, world, ShardStrategy(units=["LlamaDecoderLayer"]), ("q_proj", "v_proj"), "bf16-mixed",
+             (ShardedEMA(decay=0.9),))
+    except ValueError as err:
+        return str(err)
+    return "trained"
+
+
 def _loss_under(autocast: torch.autocast, model, ids: torch.Tensor) -> torch.Tensor:
     """``model``'s loss on ``ids``, its weights cast (under ``autocast``) for this call alone, as each rank's gathers
     are: autocast caches its casts until it exits, and the backward of a cast shared by calls sums their gradients in
@@ -158,3 +172,42 @@ def writes_kept(rank: int, world: int, param_dtype: Optional[torch.dtype]) -> di
         ref_optimizer.zero_grad(set_to_none=True)
     full, expected = full_state_dict(runtime, rank0_only=False), reference.state_dict()
     return {name: float((full[name].double() - value.double()).abs().max()) for name, value in expected.items()}
+
+
+def frozen_between_micro_batches(rank: int, world: int, cases: list[tuple[dict, str, str]]) -> list[float]:
+    """Per ``(policy, deferral, change)``: two steps of two micro-batches; between them layer 0's ``q_proj`` adapters
+    are frozen (``change="freeze"``: plain torch keeps and steps the gradient they got from the first) or unfrozen
+    (``"unfreeze"``: frozen for the first), as they were after the step. ``deferral``: ``"all"`` (``no_sync``),
+    ``"replicas"`` (``no_replica_sync``), ``""`` (reduced every micro-batch). Reference: one process on the global
+    micro-batches (under bf16 autocast where the policy gathers in bf16). The largest adapter difference."""
+    differences = []
+    for policy, deferral, change in cases:
+        reference, model = lora_llama(), lora_llama()
+        runtime = shard_module(model, units=["LlamaDecoderLayer"], **policy)
+        optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+        runtime.attach_optimizer(optimizer)
+        ref_optimizer = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=0.5)
+        autocast = torch.autocast("cpu", torch.bfloat16, enabled=policy.get("param_dtype") == torch.bfloat16)
+        g = torch.Generator().manual_seed(1)
+        windows = [[torch.randint(0, VOCAB, (world, 8), generator=g) for _ in range(2)] for _ in range(2)]
+        for net in (reference, model):
+            changed = [p for n, p in net.named_parameters() if "layers.0.self_attn.q_proj.lora_" in n]
+            for window in windows:
+                for i, ids in enumerate(window):
+                    for p in changed:
+                        p.requires_grad_((i == 0) == (change == "freeze"))
+                    skip = {"all": runtime.no_sync, "replicas": runtime.no_replica_sync}.get(deferral)
+                    if net is model:
+                        with skip() if skip is not None and i == 0 else contextlib.nullcontext():
+                            mine = ids[rank : rank + 1]
+                            (model(input_ids=mine, labels=mine, use_cache=False).loss / 2).backward()
+                    else:
+                        for r in range(world):
+                            (_loss_under(autocast, reference, ids[r : r + 1]) / 2 / world).backward()
+                runtime.step(optimizer) if net is model else ref_optimizer.step()
+                (optimizer if net is model else ref_optimizer).zero_grad(set_to_none=True)
+                for p in changed:
+                    p.requires_grad_(True)
+        full, expected = full_state_dict(runtime, rank0_only=False), reference.state_dict()
+        differences.append(max(float((full[k] - v).abs().max()) for k, v in expected.items() if "lora_" in k))
+    return differences
