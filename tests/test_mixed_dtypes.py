@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests import mixed_paths_scenarios as paths
 from tests import mixed_scenarios as scenarios
 from tests.world import run_world
 
@@ -79,3 +80,42 @@ def test_units_of_several_dtypes_under_every_sharding_match_one_process():
     # last bits (measured: within 4.3e-8)
     for differences in run_world(scenarios.sharding_modes, 4, cases, timeout=500):
         assert len(differences) == len(cases) and max(differences) < 1e-6, differences
+
+
+# -- the paths built beside units of several dtypes (mixed_paths_scenarios.py) -------------------------------------
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_lora_constraint_in_on_before_zero_grad_is_kept_as_under_ddp(world):
+    """Written into gathered copies of units of several dtypes (the root with LoRA on lm_head, gathered from the step's
+    start to its backward; every layer under grad_op). Refused before, by the ranks that owned the bytes written only:
+    the others went on and died in their next collective (a hang under NCCL)."""
+    # (32-true: under bf16-mixed DDP's backward reads the bf16 copies autocast made in forward, from before the write)
+    cases = [("full", ("q_proj", "v_proj", "lm_head"), "32-true"), ("grad_op", ("q_proj", "v_proj"), "32-true")]
+    for r in run_world(paths.constraint_against_ddp, world, cases, timeout=400)[0]:
+        tag = f"{r['case']} on {world} ranks"
+        assert r["mixed"], tag  # the writes land in units of several dtypes
+        # the same numbers as DDP: losses equal; adapters within an fp32 sum's order (3 ranks; 2: bit for bit)
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["ddp_losses"]), rtol=1e-6, atol=0,
+                                   msg=tag)
+        for key, value in r["ddp_adapters"].items():
+            torch.testing.assert_close(r["adapters"][key], value, rtol=1e-5, atol=1e-6, msg=f"{tag} {key}")
+
+
+def test_writes_and_new_tensors_given_to_parameters_of_units_of_several_dtypes_are_kept_like_one_process():
+    # keep_gathered(modifier_rank=1) raised on the ranks whose part changed and hung the others in the next unit's
+    # broadcast; p.data = ... on shards and clamp_ on gathered copies were refused (by some ranks)
+    for param_dtype in (None, torch.bfloat16):  # bf16: the adapters' fp32 masters take what was written in bf16
+        for differences in run_world(paths.writes_kept, 2, param_dtype, timeout=300):
+            assert max(differences.values()) <= 1e-6, {k: v for k, v in differences.items() if v > 1e-6}
+
+
+def test_parameters_of_units_of_several_dtypes_frozen_or_unfrozen_between_micro_batches_train_like_one_process():
+    """Plain torch keeps and steps the gradient a parameter got before it was frozen; one unfrozen mid-step gets the
+    micro-batches it trained in. Before, a unit of several dtypes reduced the gradients of what trained *now*: the
+    frozen adapters' earlier gradients were dropped (7e-2 off after 2 steps), and under no_replica_sync or summed in
+    fp32 its held gradients no longer fit the smaller (or larger) layout (an error)."""
+    cases = [(policy, deferral, change) for policy in ({}, {"param_dtype": torch.bfloat16})
+             for deferral in ("all", "") for change in ("freeze", "unfreeze")]
+    cases += [({"sharding": "hybrid", "shard_size": 1}, "replicas", change) for change in ("freeze", "unfreeze")]
+    for differences in run_world(paths.frozen_between_micro_batches, 2, cases, timeout=400):
+        # SGD on the same micro-batches: fp32's last bits (the reference sums two ranks' gradients in another order)
+        assert max(differences) <= 1e-6, list(zip(cases, differences))

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from lightning_shard.engine.comm import collectives
+from lightning_shard.engine.storage.mixed_shard import MixedShard
 from lightning_shard.engine.storage.unit import Unit
 
 _SAME_SIZE_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -123,15 +124,14 @@ class HeldUnits:
             if storage.aliases_shard:  # the buffer is the shard: written already
                 continue
             own, changed = _own_part_changed(unit)
-            if bool(changed.any()) and storage.master_dtype != storage.shard.dtype:  # bytes (mixed_shard.py)
-                raise RuntimeError(
-                    f"lightning_shard: keep_gathered(modifier_rank=...) wrote into unit {unit.name!r}, whose"
-                    " parameters are of several dtypes (a bf16 base beside fp32 adapters, 4-bit weights): their"
-                    " writes are not taken back into the shards. Make the change before sharding, or in training.")
-            if bool(changed.any()):
+            if not bool(changed.any()):
+                continue
+            if isinstance(storage, MixedShard):  # bytes of several dtypes: its own layout's write-back
+                storage.write_back()
+            else:
                 master = storage.shard
                 master.copy_(torch.where(changed.to(master.device), own.to(master.device, master.dtype), master))
-                storage.shards_changed()
+            storage.shards_changed()
 
     def held_bytes(self) -> int:
         """Bytes per rank that :meth:`keep_gathered` adds while it holds every unit (the root is gathered in

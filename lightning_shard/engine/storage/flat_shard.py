@@ -190,8 +190,7 @@ class FlatShard:
         the shard and the gathered buffer's ``.data`` record none, and ``no_grad`` costs more than the rest.)"""
         base = self.gathered_data.data_ptr()
         if [p.data_ptr() for p in self.gathered_params] != [base + at if at >= 0 else 0 for at in self._gathered_at]:
-            self._adopt_rebound(self.gathered_params, self.gathered.untyped_storage(),
-                                lambda s: self.gathered_data[s.offset : s.offset + s.numel].view(s.shape))
+            self._adopt_rebound(self.gathered_params, self.gathered.untyped_storage(), self._gathered_view)
         if self.aliases_shard:  # the gathered buffer is the shard
             return
         local = self.gathered_data[self.shard_start : self.shard_start + self.shard_numel]
@@ -213,18 +212,26 @@ class FlatShard:
                 return False
         elif [p.data_ptr() for p in self.shard_params] == self._shard_ptrs:  # the usual case, at every gather
             return False
-        self._adopt_rebound(self.shard_params, storage, lambda s: self.shard[slice(*self.shard_range(s))])
+        self._adopt_rebound(self.shard_params, storage, self._shard_view)
         self.shards_changed()
         return True
 
+    def _gathered_view(self, i: int) -> Tensor:
+        slot = self.slots[i]
+        return self.gathered_data[slot.offset : slot.offset + slot.numel].view(slot.shape)
+
+    def _shard_view(self, i: int) -> Tensor:
+        return self.shard[slice(*self.shard_range(self.slots[i]))]
+
     def _adopt_rebound(self, params: list[nn.Parameter], storage: torch.UntypedStorage,
-                       view_of: Callable[[ParamSlot], Tensor]) -> None:
-        """``params`` (each slot's, in order) no longer in ``storage`` copied into their view there, and viewing it."""
+                       view_of: Callable[[int], Tensor]) -> None:
+        """``params`` (each slot's, in order) no longer in ``storage`` copied into their view there (``view_of``: slot
+        index -> view), and viewing it."""
         home = storage.data_ptr()
-        for slot, param in zip(self.slots, params):
+        for i, (slot, param) in enumerate(zip(self.slots, params)):
             if param.untyped_storage().data_ptr() == home:
                 continue
-            view = view_of(slot)
+            view = view_of(i)
             if param.shape != view.shape:
                 raise RuntimeError(
                     f"lightning_shard: {slot.names[0]!r} was given a tensor of shape {tuple(param.shape)} (`.data ="

@@ -75,6 +75,7 @@ class MixedShard(FlatShard):
         self._shard_grad: Optional[weakref.ref] = None  # no flat gradient shard: each slot's .grad is its own
         self._shard_grad_views: dict[int, weakref.ref] = {}
         self._grad_layout_of: Optional[tuple] = None
+        self._reduced_slots = set(self.trainable)  # the slots that have trained: those reduced (see _grad_layout)
 
     # -- layout -------------------------------------------------------------------------------------
     def param_range(self, slot: MixedSlot, rank: int) -> tuple[int, int]:  # type: ignore[override]
@@ -151,6 +152,8 @@ class MixedShard(FlatShard):
 
     def sync_requires_grad(self) -> list[nn.Parameter]:
         unfrozen = super().sync_requires_grad()
+        if unfrozen:
+            self._reduced_slots.update(self.trainable)
         packed = [self.slots[i].names[0] for i in self.trainable if self.slots[i].packed]
         if packed:
             raise RuntimeError(f"lightning_shard: {packed} are packed quantized bytes and were set to require"
@@ -175,23 +178,49 @@ class MixedShard(FlatShard):
 
     # -- gradients ------------------------------------------------------------------------------------
     def _grad_layout(self) -> tuple[tuple[int, ...], list[list[tuple[int, int]]], list[int], int]:
-        """The trainable slots, each rank's part of each, each rank's total, and the longest total."""
-        key = tuple(self.trainable)
+        """The slots whose gradients are reduced, each rank's part of each, each rank's total, and the longest total.
+        Those that train and those that trained before and were frozen since: a gradient they got then may still be
+        held (summed over micro-batches, or waiting for the all-reduce across replicas), which plain torch keeps and
+        steps. The same on every rank (what trains is agreed); fixed while what trains does not change."""
+        key = tuple(sorted(self._reduced_slots))
         if self._grad_layout_of is None or self._grad_layout_of[0] != key:
-            parts = [[self.param_range(self.slots[i], r) for i in key] for r in range(self.world_size)]
-            totals = [sum(hi - lo for lo, hi in ranks) for ranks in parts]
-            self._grad_layout_of = (key, parts, totals, max(totals, default=0))
+            self._grad_layout_of = (key, *self._layout_of(key))
         return self._grad_layout_of
+
+    def _layout_of(self, slots: tuple[int, ...]) -> tuple[list[list[tuple[int, int]]], list[int], int]:
+        parts = [[self.param_range(self.slots[i], r) for i in slots] for r in range(self.world_size)]
+        totals = [sum(hi - lo for lo, hi in ranks) for ranks in parts]
+        return parts, totals, max(totals, default=0)
+
+    def regrid(self, flat: Tensor, slots: tuple[int, ...]) -> Tensor:
+        """``flat``, laid out for ``slots`` (an earlier layout's), in the layout of now: a slot that began to train
+        since (unfrozen between micro-batches) holds zeros."""
+        now, parts, _, longest = self._grad_layout()
+        if slots == now:
+            return flat
+        old_parts, _, old_longest = self._layout_of(slots)
+        out = flat.new_zeros(longest * self.world_size)
+        for rank in range(self.world_size):
+            held, at = {}, rank * old_longest
+            for i, (lo, hi) in zip(slots, old_parts[rank]):
+                held[i], at = (at, hi - lo), at + hi - lo
+            at = rank * longest
+            for i, (lo, hi) in zip(now, parts[rank]):
+                if i in held:
+                    start, numel = held[i]
+                    out[at : at + numel] = flat[start : start + numel]
+                at += hi - lo
+        return out
 
     def take_unsharded_grads(self, dtype: torch.dtype) -> tuple[Tensor, list[int], list[Tensor]]:
         grads = [param.grad for param in self.gathered_params]
         for param in self.gathered_params:
             param.grad = None
         used = [i for i, grad in enumerate(grads) if grad is not None]
-        trainable, parts, totals, longest = self._grad_layout()
+        reduced, parts, totals, longest = self._grad_layout()
         pieces = []
         for rank in range(self.world_size):
-            for i, (lo, hi) in zip(trainable, parts[rank]):
+            for i, (lo, hi) in zip(reduced, parts[rank]):
                 if hi > lo:
                     grad = grads[i]
                     pieces.append(grad.reshape(-1)[lo:hi] if grad is not None
@@ -202,9 +231,9 @@ class MixedShard(FlatShard):
         return flat, used, [g for g in grads if g is not None]
 
     def grad_shard_layout(self) -> tuple[int, list[tuple[int, int]]]:
-        trainable, parts, _, longest = self._grad_layout()
+        reduced, parts, _, longest = self._grad_layout()
         ranges, at = [(0, 0)] * len(self.slots), 0
-        for i, (lo, hi) in zip(trainable, parts[self.rank]):
+        for i, (lo, hi) in zip(reduced, parts[self.rank]):
             ranges[i] = (at, at + hi - lo)
             at += hi - lo
         return longest, ranges
@@ -212,7 +241,7 @@ class MixedShard(FlatShard):
     def accumulate_shard_grad(self, reduced: Tensor, used: list[int]) -> None:
         _, ranges = self.grad_shard_layout()
         used_here = set(used)
-        for i in self.trainable:
+        for i in self._grad_layout()[0]:  # (frozen since it got a gradient or not: plain torch keeps it)
             param = self.shard_params[i]
             if param.grad is None and i not in used_here:
                 continue
@@ -225,13 +254,15 @@ class MixedShard(FlatShard):
         self._shard_grad, self._shard_grad_views = None, {}
 
     def hand_over_grads(self, reduce_dtype: torch.dtype) -> None:
+        if self.unsharded.held:  # micro-batches summed inside no_sync: with this one's, through the layout
+            flat, used, _ = self.unsharded.take(reduce_dtype)
+            self.accumulate_shard_grad(flat, used)
+            return
         for i, (gathered, shard) in enumerate(zip(self.gathered_params, self.shard_params)):
             grad = gathered.grad
-            if grad is None:
+            if grad is None:  # (one frozen since it got its gradient keeps it, as in plain torch)
                 continue
             gathered.grad = None
-            if not self.requires_grad[i]:
-                continue
             grad = grad.reshape(-1).to(reduce_dtype).to(self.slots[i].master_dtype)
             if shard.grad is None:
                 shard.grad = grad
@@ -247,39 +278,42 @@ class MixedShard(FlatShard):
             ranges.append((lo, hi) if hi > lo else (0, 0))
         return ranges
 
-    # -- writes from outside the optimizer (flat_shard.py writes them back; here they are refused) ----------
+    # -- writes from outside the optimizer (a constraint, ``p.data = ...``): kept, as flat_shard.py keeps them ---------
+    def _gathered_view(self, i: int) -> Tensor:
+        slot = self.slots[i]
+        return self.gathered_data[slot.offset : slot.offset + slot.gather_nbytes].view(slot.gather_dtype).view(slot.shape)
+
+    def _shard_view(self, i: int) -> Tensor:
+        return self._master_view(self.shard, i, *self.param_range(self.slots[i], self.rank))
+
     def write_back(self) -> None:
-        """A write into the gathered copy (a constraint ``p.data.clamp_()``, ``p.data = ...``) is not written back to
-        a unit of several dtypes: refused by name, rather than lost. This rank's part of the gathered bytes is what
-        it sent (:meth:`write_gather_input`) unless something wrote it."""
-        rebound = [s.names[0] for s, p in zip(self.slots, self.gathered_params)
-                   if p.untyped_storage().data_ptr() != self.gathered.untyped_storage().data_ptr()]
-        local = self.gathered_data[self.shard_start : self.shard_start + self.shard_numel]
-        sent = torch.empty_like(local)
-        self.write_gather_input(sent)
-        if rebound or not torch.equal(local, sent):
-            written = rebound or [s.names[0] for s in self.slots if s.gather_nbytes and _written(s, self, local, sent)]
-            raise RuntimeError(
-                f"lightning_shard: {written[:4]} were written outside the optimizer (a weight constraint,"
-                " `p.data = ...`) in a unit of several dtypes (a bf16 base beside fp32 adapters, 4-bit weights), which"
-                " does not keep such writes. Make the change before sharding, or inside the optimizer's step.")
+        """This rank's part of the gathered bytes into its shard, where code wrote the gathered copy (``p.data.clamp_()``,
+        ``p.data = ...``): every rank's copy is the whole parameter and each keeps its own part, as DDP keeps the
+        write. The slots gathered as they are stored are those bytes (a copy: the same bytes where nothing wrote); a
+        cast slot (an fp32 adapter gathered in bf16) takes the elements that differ from its master's cast, in the
+        gathered dtype, and its other elements keep their master's precision. (No collective, no host sync.)"""
+        home = self.gathered.untyped_storage().data_ptr()
+        if any(p.untyped_storage().data_ptr() != home for p in self.gathered_params):
+            self._adopt_rebound(self.gathered_params, self.gathered.untyped_storage(), self._gathered_view)
+        if self.aliases_shard:  # the gathered buffer is the shard
+            return
+        local = self.gathered_data[self.shard_start : self.shard_start + self.shard_numel].to(self.shard.device)
+        for at, master_at, numel, master, gather in self._runs:
+            written = local[at : at + numel * gather.itemsize].view(gather)
+            kept = self.shard[master_at : master_at + numel * master.itemsize].view(master)
+            torch.where(written != kept.to(gather), written.to(master), kept, out=kept)
+        self.shard[: self.shard_numel].copy_(local)  # (the cast slots' bytes there are rewritten before each gather)
 
     def adopt_rebound_shards(self, alike_on_every_rank: bool = False) -> bool:
+        """Shard parameters given other tensors (``p.data = t``) hold their values in the shard, viewing it again;
+        whether any had one. Each parameter's storage is asked: an empty piece given an empty tensor counts too, so
+        every rank that ran the same code answers alike."""
         home = self.shard.untyped_storage().data_ptr()
-        rebound = [s.names[0] for s, p in zip(self.slots, self.shard_params) if p.untyped_storage().data_ptr() != home]
-        if rebound:
-            raise RuntimeError(
-                f"lightning_shard: {rebound[:4]} were given other tensors (`p.data = ...`) in a unit of several dtypes"
-                " (a bf16 base beside fp32 adapters, 4-bit weights), which does not take them. Write into them in"
-                " place (`p.data.copy_(...)`, under torch.no_grad()), or make the change before sharding.")
-        return False
-
-
-def _written(slot: MixedSlot, storage: MixedShard, local: Tensor, sent: Tensor) -> bool:
-    """Whether this rank's part of ``slot`` differs between the gathered bytes and those it sent."""
-    lo, hi = slot.offset - storage.shard_start, slot.offset - storage.shard_start + slot.gather_nbytes
-    lo, hi = max(lo, 0), min(hi, storage.shard_numel)
-    return hi > lo and not torch.equal(local[lo:hi], sent[lo:hi])
+        if all(p.untyped_storage().data_ptr() == home for p in self.shard_params):
+            return False
+        self._adopt_rebound(self.shard_params, self.shard.untyped_storage(), self._shard_view)
+        self.shards_changed()
+        return True
 
 
 class MixedUnshardedGrads(UnshardedGrads):
@@ -291,14 +325,20 @@ class MixedUnshardedGrads(UnshardedGrads):
         self.storage = storage
         self.params = storage.gathered_params
         self._held = None
+        self._held_layout: tuple[int, ...] = ()  # the slots the held sum is laid out for
 
     def take(self, dtype: torch.dtype) -> tuple[Tensor, list[int], list[Tensor]]:
         flat, used, taken = self.storage.take_unsharded_grads(dtype)
         if self._held is not None:
             (held, held_used), self._held = self._held, None
-            held.add_(flat)  # (the same layout, unless what trains changed between micro-batches)
+            held = self.storage.regrid(held, self._held_layout)  # (a slot unfrozen since: one more)
+            held.add_(flat)
             return held, sorted(held_used.union(used)), taken
         return flat, used, taken
+
+    def hold(self, dtype: torch.dtype) -> None:
+        super().hold(dtype)
+        self._held_layout = self.storage._grad_layout()[0]
 
 
 class HostMixedShard(HostShard, MixedShard):
