@@ -6,6 +6,7 @@ one against the fit without offload, bit for bit too (test_offload.py's premise)
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -61,11 +62,23 @@ class CountingSGD(torch.optim.SGD):
                     param.add_(param.grad, alpha=-group["lr"] / count**0.5)
 
 
+class SlowAdamW(torch.optim.AdamW):
+    """AdamW that takes 20 ms longer per call (a host slower than its device: each unit's step outlasts the next
+    forward's use of the one before, so ``optimizer.step()`` returns before most units are stepped)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        time.sleep(0.02)
+        return super().step(closure)
+
+
 class GPT(L.LightningModule):
     """TinyGPT with AdamW (fused where none is chosen: the CPU's fused kernel when offloaded) or SGD with momentum;
     the loss of the micro-batches in ``nonfinite_at`` (epoch 0) is inf. ``in_step``: what the training step does
     before its loss's backward, as users write it there ("lr": a warmup that sets the learning rate; "clamp": a weight
-    constraint through ``.data``)."""
+    constraint through ``.data``; "norm": the parameters' norm, read before the forward, in ``norms``: this rank's
+    shards, which hold the same values under offload as without, but without offload the step's root unit is gathered
+    in their place)."""
 
     UNITS = ["Block"]
 
@@ -74,6 +87,7 @@ class GPT(L.LightningModule):
         self.optimizer, self.nonfinite_at, self.in_step = optimizer, nonfinite_at, in_step
         self.model = TinyGPT()
         self.losses: list[float] = []
+        self.norms: list[float] = []
 
     def training_step(self, batch, batch_idx):
         if "lr" in self.in_step:
@@ -82,6 +96,9 @@ class GPT(L.LightningModule):
         if "clamp" in self.in_step:  # WGAN's weight clipping, before the critic's forward: no version counter sees it
             for param in self.parameters():
                 param.data.clamp_(-0.05, 0.05)
+        if "norm" in self.in_step:  # (this rank's shards: compared with the same rank's in the other fit)
+            with torch.no_grad():
+                self.norms.append(float(sum(p.double().square().sum() for p in self.parameters())))
         loss = TinyGPT.loss(self.model, batch, batch_idx)
         if self.current_epoch == 0 and batch_idx in self.nonfinite_at:
             loss = loss * math.inf
@@ -95,6 +112,8 @@ class GPT(L.LightningModule):
             return FailingSGD(self.parameters(), lr=0.05)
         if self.optimizer == "sgd":
             return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
+        if self.optimizer == "slow adamw":
+            return SlowAdamW(self.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
         decay = [p for p in self.parameters() if p.ndim >= 2]
         rest = [p for p in self.parameters() if p.ndim < 2]
         optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
@@ -146,7 +165,7 @@ def fit(rank: int, world: int, offload: Optional[str], overlap: bool, optimizer:
     torch.manual_seed(0)
     module = module(optimizer, nonfinite_at, in_step)
     strategy = ShardStrategy(units=module.UNITS, offload=offload, offload_overlap=overlap, nonfinite=nonfinite,
-                             elementwise_optimizers=[FailingSGD, CountingSGD])
+                             elementwise_optimizers=[FailingSGD, CountingSGD, SlowAdamW])
     callbacks = [ModelCheckpoint(save_to, filename="{epoch}", save_top_k=-1)] if save_to is not None else []
     callbacks += [ClipSchedule(clip_by_epoch)] if clip_by_epoch is not None else []
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_epochs=epochs, logger=False,
@@ -159,8 +178,8 @@ def fit(rank: int, world: int, offload: Optional[str], overlap: bool, optimizer:
     stepper = runtime.host_stepper
     counts = {} if stepper is None else {
         "overlapped": stepper.overlapped_steps, "clipped": stepper.clipped_steps,
-        "speculative": stepper.speculative_units, "redone": stepper.redone_units}
-    return {"losses": module.losses, "state": full_state_dict(runtime, rank0_only=False),
+        "speculative": stepper.speculative_units, "redone": stepper.redone_units, "deferred": stepper.deferred_units}
+    return {"losses": module.losses, "norms": module.norms, "state": full_state_dict(runtime, rank0_only=False),
             "skipped": runtime.skipped_steps, "restage": runtime.restage_each_step, **counts}
 
 
@@ -188,10 +207,12 @@ def overlapped_as_serial(rank: int, world: int, cases: list[dict], save_dir: str
                 runs[name] = fit(rank, world, offload, overlap, epochs=2, **case)
         overlapped = runs["overlapped"]
         reports.append({
-            **{k: overlapped[k] for k in ("overlapped", "clipped", "speculative", "redone", "skipped", "restage")},
+            **{k: overlapped[k] for k in ("overlapped", "clipped", "speculative", "redone", "skipped", "restage",
+                                          "deferred")},
             "params_overlapped": runs["params"]["overlapped"],
             "serial_overlapped": runs["serial"].get("overlapped"),
-            "losses": [name for name in ("serial", "plain", "params") if runs[name]["losses"] != overlapped["losses"]],
+            "losses": [name for name in ("serial", "plain", "params") if runs[name]["losses"] != overlapped["losses"]]
+            + [f"norms: {name}" for name in ("serial", "params") if runs[name]["norms"] != overlapped["norms"]],
             "weights": {name: _differ(overlapped, runs[name]) for name in ("serial", "plain", "params")},
         })
     return reports

@@ -91,5 +91,6 @@ def arm_for_step(strategy: Any, optimizer: Any) -> None:
     if strategy.offload_overlap_clip is None or optimizer is None or strategy.runtime is None:
         return
     clip = _clip(strategy.lightning_module.trainer)  # now: a callback may have changed it since setup
-    if clip is not None:
-        strategy.runtime.arm_host_step(optimizer, max_norm=clip[0])
+    if clip is not None:  # the next forward waits for each unit's step where no code of the user's runs in between
+        strategy.runtime.arm_host_step(optimizer, max_norm=clip[0],
+                                       finish_in_forward=not strategy.runtime.restage_each_step)

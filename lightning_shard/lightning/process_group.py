@@ -104,6 +104,7 @@ class ProcessGroupMixin:
         outlive the stage, since work still pending at exit is freed by a backend thread in interpreter shutdown."""
         if self.runtime is None:
             return
+        self.runtime.wait_host_steps()  # offload's steps still to come after the last optimizer step (and their errors)
         for unit in self.runtime.units:
             if unit.inflight is not None:
                 self.runtime.schedule.reshard(unit)  # waits for it, then frees its buffer

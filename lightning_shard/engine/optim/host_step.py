@@ -15,14 +15,19 @@ backward (:meth:`decide`). A unit stepped before that is stepped speculatively: 
 are copied first (the backups, for at most ``SPECULATIVE_SHARE`` of the optimizer's elements: host memory the
 estimator counts), and a step the decision changes (the norm asks for clipping; a non-finite gradient that
 ``nonfinite`` skips or raises on) is undone from them, then stepped again with the clipped gradients, or not at all.
-After the decision the remaining units are stepped with no backup. ``optimizer.step()`` waits for the worker
-(:meth:`commit`) and checks that nothing the steps read has changed since (the gradients, the param groups, their
-hyperparameters): a change raises, never a silently different step.
+After the decision the remaining units are stepped with no backup, in the order the next forward needs them.
+``optimizer.step()`` (:meth:`commit`) checks that nothing the steps read has changed since (the gradients, the param
+groups, their hyperparameters): a change raises, never a silently different step. It waits for the worker, or, armed
+with ``finish_in_forward``, returns with steps still to come: each unit's next gather waits for its own step (so the
+next forward runs behind the worker, not after it), and so does anything else that reads a unit's shard parameters (a
+guard on them: offload.py); what reads the optimizer's state or every unit (checkpoints, the next arming, the next
+step) waits for them all (:meth:`finish`).
 
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
@@ -33,10 +38,9 @@ from torch.optim.optimizer import _global_optimizer_pre_hooks
 
 from lightning_shard.engine.optim.host_step_state import (
     Backup,
+    changed_since,
     copy_state,
     outside_params,
-    same,
-    same_options,
     written_outside,
 )
 from lightning_shard.engine.optim.host_worker import HostWorker
@@ -60,6 +64,7 @@ class _Arming:
     key: tuple  # the optimizer's parameters at arming
     params: dict[int, list[list[nn.Parameter]]]  # unit index -> per group, the unit's parameters in it
     budget: int  # elements that may still be stepped speculatively
+    defer: bool = False  # optimizer.step() may return before every unit is stepped (finish_in_forward)
     queued: set[int] = field(default_factory=set)  # units given to the worker to step
     stepped: dict[int, list[tuple[nn.Parameter, Optional[Tensor], int]]] = field(default_factory=dict)
     backups: dict[int, Backup] = field(default_factory=dict)
@@ -67,30 +72,37 @@ class _Arming:
     clip_asked: bool = False  # the clipping armed for was asked for (clipped())
     landings: int = 0  # gradients taken to land in .grad
     clip_total: Optional[Tensor] = None  # the norm the decision found (what the clipping call returns)
+    done: set[int] = field(default_factory=set)  # units whose step is over (the worker's lock)
+    pending: set[int] = field(default_factory=set)  # units still to step after optimizer.step() returned (the lock)
+    pending_at_commit: frozenset[int] = frozenset()  # those as it returned: their copies are the worker's to make
 
 
 class HostStepper:
     """The overlapped host step of one runtime (see the module note)."""
 
-    def __init__(self, units: list[Unit]) -> None:
+    def __init__(self, units: list[Unit], forward_order: Callable[[], list[Unit]] = list) -> None:
         self.units = units
+        self._forward_order = forward_order  # the units as the next forward gathers them (the last step's)
         self._by_index = dict(enumerate(units))  # by position: the optimizer's step knows units so (step.where)
         self._position = {id(unit): i for i, unit in enumerate(units)}
         self.device = units[0].storage.device if units else torch.device("cpu")
         self._worker = HostWorker(self.device)
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.armed: Optional[_Arming] = None
+        self.in_flight: Optional[_Arming] = None  # an arming whose optimizer.step() returned with units to step
         self.speculate = True  # the last decision changed nothing: steps before the next one are likely to stand
         self.backup_bytes = self.peak_backup_bytes = 0  # host memory held by backups (now, and its high-water mark)
         # what it did, for tests and benchmarks: optimizer steps taken this way, of them those clipping changed; unit
         # steps taken speculatively (backed up), and of those undone by a decision
         self.overlapped_steps = self.clipped_steps = self.speculative_units = self.redone_units = 0
+        self.deferred_units = 0  # unit steps finished after their optimizer.step() returned
 
     # -- arming (the host, before the backward) -----------------------------------------------------
-    def arm(self, step: Any, clip: Optional[tuple[float, float]], decides: bool) -> bool:
-        """Overlap the next backward with ``step``'s optimizer step; False where it cannot (a parameter outside the
-        offloaded units, an optimizer stepping whole parameters, step pre-hooks: they run at ``optimizer.step()``, after
-        the units were stepped), and the step stays as it is."""
+    def arm(self, step: Any, clip: Optional[tuple[float, float]], decides: bool, finish_in_forward: bool = False) -> bool:
+        """Overlap the next backward with ``step``'s optimizer step (and, ``finish_in_forward``, the forward after it);
+        False where it cannot (a parameter outside the offloaded units, an optimizer stepping whole parameters, step
+        pre-hooks: they run at ``optimizer.step()``, after the units were stepped), and the step stays as it is."""
+        self.finish()
         self.disarm()
         optimizer: Optimizer = step.optimizer
         if step.whole or not self.units or not all(getattr(unit.storage, "steps_overlapped", False)
@@ -116,7 +128,8 @@ class HostStepper:
             shadow = [dict(o) for o in options]
         total = sum(p.numel() for per_group in params.values() for ps in per_group for p in ps)
         self.armed = _Arming(step, clip, decides, options, shadow, params_key(optimizer), params,
-                             budget=int(total * SPECULATIVE_SHARE) if decides and self.speculate else 0)
+                             budget=int(total * SPECULATIVE_SHARE) if decides and self.speculate else 0,
+                             defer=finish_in_forward)
         return True
 
     def armed_for(self, step: Any) -> bool:
@@ -206,9 +219,12 @@ class HostStepper:
                 kept = [p for p in params if p.grad is not None]
                 torch.nn.utils.clip_grads_with_norm_(kept, max_norm, total, foreach=True)
             armed.clip_total = total
-        armed.decided = True
+        with self._worker.lock:  # (a speculative step starting now takes no backup: nothing will undo it)
+            armed.decided = True
         self.speculate = not changed
-        for index in sorted(armed.params):
+        rank = {self._position[id(unit)]: r for r, unit in enumerate(self._forward_order())}
+        self._worker.reorder(lambda index: rank.get(index, len(rank)))  # (the backlog: as the next forward needs it)
+        for index in sorted(armed.params, key=lambda index: rank.get(index, len(rank))):
             if index not in armed.queued:
                 self._queue(armed, index)
 
@@ -234,20 +250,36 @@ class HostStepper:
 
     # -- the optimizer's step (the host) ------------------------------------------------------------
     def commit(self) -> bool:
-        """``optimizer.step()`` after an armed backward: wait for every unit's step and check that its inputs are
-        unchanged (raises if not). False if no backward ran since the arming: the caller steps as usual."""
+        """``optimizer.step()`` after an armed backward: wait for every unit's step (armed ``finish_in_forward``: for
+        none) and check that its inputs are unchanged (raises if not). False if no backward ran since the arming:
+        the caller steps as usual."""
         armed = self.armed
         assert armed is not None
         if not armed.decided:
             self.disarm()
             return False
         try:
-            self._worker.wait()
-            problem = self._changed_since(armed)
+            if armed.defer:
+                self._worker.raise_error()
+            else:
+                self._worker.wait()
+            with self._worker.lock:
+                armed.pending = set(armed.queued) - armed.done
+                armed.pending_at_commit = frozenset(armed.pending)
+                for index in armed.pending:
+                    self._by_index[index].storage.await_step = functools.partial(self._await_unit, index)
+                if armed.pending:
+                    self.in_flight = armed
+                started = list(armed.stepped)  # (reading a gradient of one stepping now waits for its step)
+            # the units not started step with the gradients there now: those started, with those there before
+            problem = changed_since(armed.step, armed.clip if not armed.clip_asked else None, armed.key,
+                                    armed.options, [armed.stepped[i] for i in started])
         except BaseException:
+            self._stop_waiting()
             self.cancel()
             raise
         if problem is not None:
+            self._stop_waiting()
             lost = self.cancel()
             raise RuntimeError(
                 f"lightning_shard: {problem} between the backward and the optimizer step, after the overlapped host"
@@ -258,6 +290,50 @@ class HostStepper:
         self.armed = None
         self.overlapped_steps += 1
         return True
+
+    def finish(self) -> None:
+        """Wait for the units still to step after ``optimizer.step()`` returned (``finish_in_forward``); raises the
+        worker's error. (What those steps read cannot change before them: reading or writing a unit's shard
+        parameters, their gradients included, waits for its step.)"""
+        armed, self.in_flight = self.in_flight, None
+        if armed is None:
+            return
+        try:
+            self._worker.wait()
+        finally:
+            self._release(armed)
+            self._drop_backups(armed)
+
+    def restages(self, unit: Unit) -> bool:
+        """Whether ``unit``'s step was still to come as ``optimizer.step()`` returned: the worker makes its copies."""
+        armed = self.in_flight
+        return armed is not None and self._position[id(unit)] in armed.pending_at_commit
+
+    def _await_unit(self, index: int) -> None:
+        """Something other than the worker reads or writes unit ``index``'s shard: its step first."""
+        armed = self.in_flight
+        if armed is None or self._worker.on_worker():
+            return
+        try:
+            self._worker.wait_for(lambda: index not in armed.pending)
+            if index in armed.pending:  # nothing left to run it: dropped after an error raised before
+                raise RuntimeError(f"lightning_shard: offload's overlapped step of unit {self._by_index[index].name!r}"
+                                   " did not run (an earlier error of the step's); resume from a checkpoint.")
+        except BaseException:
+            self._stop_waiting()
+            raise
+
+    def _stop_waiting(self) -> None:
+        armed, self.in_flight = self.in_flight, None
+        if armed is not None:
+            self._release(armed)
+
+    def _release(self, armed: _Arming) -> None:
+        """Nothing waits for ``armed``'s units any more (all stepped, or an error raised)."""
+        with self._worker.lock:
+            for index in armed.pending:
+                self._by_index[index].storage.await_step = None
+            armed.pending.clear()
 
     def cancel(self) -> list[str]:
         """Drop the arming: what was stepped speculatively is undone. Returns the units stepped without a backup,
@@ -292,21 +368,32 @@ class HostStepper:
     # -- the worker's side --------------------------------------------------------------------------
     def _queue(self, armed: _Arming, index: int, backup: bool = False) -> None:
         armed.queued.add(index)
-        self._worker.submit(lambda: self._step_unit(armed, index, backup))
+        self._worker.submit(lambda: self._step_unit(armed, index, backup), key=index)
 
     def _step_unit(self, armed: _Arming, index: int, backup: bool) -> None:
+        self._step_params(armed, index, backup)
+        with self._worker.lock:
+            armed.done.add(index)
+            if index in armed.pending:  # after optimizer.step() returned: its end left this unit's copies alone
+                armed.pending.discard(index)
+                self._by_index[index].storage.stepped_late()
+                self.deferred_units += 1
+
+    def _step_params(self, armed: _Arming, index: int, backup: bool) -> None:
         optimizer = armed.step.optimizer
         unit = self._by_index[index]
         per_group = armed.params[index]
         params = [p for ps in per_group for p in ps]
         if all(p.grad is None for p in params):  # frozen, or unused everywhere: the optimizer writes nothing of it
             return
-        if backup:
-            self.speculative_units += 1
+        if backup and not armed.decided:
             saved = Backup(unit.storage.shard.clone(), {p: copy_state(optimizer.state.get(p)) for p in params})
-            armed.backups[index] = saved
-            self.backup_bytes += saved.nbytes
-            self.peak_backup_bytes = max(self.peak_backup_bytes, self.backup_bytes)
+            with self._worker.lock:
+                if not armed.decided:  # (else nothing will undo the step: the backup is not kept)
+                    self.speculative_units += 1
+                    armed.backups[index] = saved
+                    self.backup_bytes += saved.nbytes
+                    self.peak_backup_bytes = max(self.peak_backup_bytes, self.backup_bytes)
         armed.stepped[index] = [(p, p.grad, p.grad._version if p.grad is not None else -1) for p in params]
         shadow = object.__new__(type(optimizer))  # the optimizer over this unit's parameters alone
         shadow.__dict__.update(optimizer.__dict__)
@@ -340,31 +427,17 @@ class HostStepper:
                         optimizer.state[param] = state
                 storage.forget_staging()
                 del armed.stepped[index]
+                armed.done.discard(index)
                 self.redone_units += 1
         self._drop_backups(armed)
         armed.queued &= set(armed.stepped)
         armed.budget = 0
 
     def _drop_backups(self, armed: _Arming) -> None:
-        for saved in armed.backups.values():
-            self.backup_bytes -= saved.nbytes
-        armed.backups.clear()
-
-    def _changed_since(self, armed: _Arming) -> Optional[str]:
-        optimizer = armed.step.optimizer
-        if armed.clip is not None and not armed.clip_asked:
-            return f"no clipping was asked for, though the step was armed for max_norm={armed.clip[0]} (and clipped)"
-        if params_key(optimizer) != armed.key:
-            return "the optimizer's param groups changed"
-        for options, group in zip(armed.options, optimizer.param_groups):
-            now = {k: v for k, v in group.items() if k != "params"}
-            if not same_options(options, now):
-                return f"a param group's options changed ({sorted(k for k in now if not same(now[k], options.get(k)))})"
-        for index, read in armed.stepped.items():
-            for param, grad, version in read:
-                if param.grad is not grad or (grad is not None and grad._version != version):
-                    return f"the gradient of {armed.step.names.get(id(param), 'a parameter')!r} changed"
-        return None
+        with self._worker.lock:
+            for saved in armed.backups.values():
+                self.backup_bytes -= saved.nbytes
+            armed.backups.clear()
 
 
 def _cannot_undo(lost: list[str]) -> str:

@@ -16,6 +16,8 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
+from lightning_shard.engine.optim.step_plan import params_key
+
 
 @dataclass(eq=False)
 class Backup:
@@ -68,3 +70,24 @@ def same(a: object, b: object) -> bool:
         return bool(a == b)
     except Exception:  # noqa: BLE001 - values that do not compare: the same object or not
         return a is b
+
+
+def changed_since(step: Any, clip_not_asked: Optional[tuple[float, float]], key: tuple, options: list[dict],
+                  read: list[list[tuple[nn.Parameter, Optional[Tensor], int]]]) -> Optional[str]:
+    """What changed since the overlapped step read it, or None: clipping armed for and not asked for
+    (``clip_not_asked``), the optimizer's parameters (``key``: :func:`params_key` then), its groups' options
+    (``options``: then), and the gradients ``read`` (per unit, ``(param, grad, its version)``)."""
+    optimizer = step.optimizer
+    if clip_not_asked is not None:
+        return f"no clipping was asked for, though the step was armed for max_norm={clip_not_asked[0]} (and clipped)"
+    if params_key(optimizer) != key:
+        return "the optimizer's param groups changed"
+    for before, group in zip(options, optimizer.param_groups):
+        now = {k: v for k, v in group.items() if k != "params"}
+        if not same_options(before, now):
+            return f"a param group's options changed ({sorted(k for k in now if not same(now[k], before.get(k)))})"
+    for unit in read:
+        for param, grad, version in unit:
+            if param.grad is not grad or (grad is not None and grad._version != version):
+                return f"the gradient of {step.names.get(id(param), 'a parameter')!r} changed"
+    return None

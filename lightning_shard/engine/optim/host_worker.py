@@ -1,7 +1,8 @@
 """The overlapped host step's worker (host_step.py): one host thread running what it is given in order, with its
 errors raised on the caller's thread. A gradient whose copy to the host has arrived is taken before any step (the end
 of backward waits for those); one still on its way only when there is no step to do meanwhile (waiting for it first
-would hold every step back until the whole backward had landed).
+would hold every step back until the whole backward had landed). The steps not started may be put in another order
+(:meth:`HostWorker.reorder`: the one the next forward needs them in).
 
 One thread: torch's CPU kernels (the fused AdamW) spread each tensor over the host's cores themselves; a second thread
 would only contend for the same memory bandwidth, which is what bounds the step.
@@ -23,20 +24,20 @@ class HostWorker:
         self.device = device
         self._cond = threading.Condition()
         self._lands: deque[tuple[Callable[[], None], Callable[[], bool]]] = deque()  # (work, whether it can run now)
-        self._steps: deque[Callable[[], None]] = deque()
+        self._steps: deque[tuple[int, Callable[[], None]]] = deque()  # (the unit it steps, work)
         self._busy = False
         self._paused = False
         self._error: Optional[BaseException] = None
         self._thread: Optional[threading.Thread] = None
 
-    def submit(self, work: Callable[[], None], ready: Optional[Callable[[], bool]] = None) -> None:
-        """A step, or (``ready`` given: whether its gradient has arrived) a landing."""
+    def submit(self, work: Callable[[], None], ready: Optional[Callable[[], bool]] = None, key: int = -1) -> None:
+        """A step (of unit ``key``), or (``ready`` given: whether its gradient has arrived) a landing."""
         with self._cond:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="lightning_shard host step", daemon=True)
                 self._thread.start()
             if ready is None:
-                self._steps.append(work)
+                self._steps.append((key, work))
             else:
                 self._lands.append((work, ready))
             self._cond.notify_all()
@@ -46,7 +47,7 @@ class HostWorker:
         steps = self._steps and not self._paused
         if self._lands and (not steps or _arrived(self._lands[0][1])):
             return self._lands.popleft()[0]
-        return self._steps.popleft()
+        return self._steps.popleft()[1]
 
     def _run(self) -> None:
         try:
@@ -79,6 +80,26 @@ class HostWorker:
                 self._cond.wait()
         self.raise_error()
 
+    def wait_for(self, done: Callable[[], bool]) -> None:
+        """Until ``done()`` (asked under :attr:`lock`, which the work marks what it did under), or until nothing is
+        left to run, or the worker failed: its error raised here."""
+        with self._cond:
+            while not done() and self._error is None and (self._busy or self._lands or (self._steps and not self._paused)):
+                self._cond.wait()
+        self.raise_error()
+
+    @property
+    def lock(self) -> threading.Condition:
+        return self._cond
+
+    def on_worker(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def reorder(self, rank: Callable[[int], int]) -> None:
+        """The steps not started, in the order of ``rank(key)`` (stable)."""
+        with self._cond:
+            self._steps = deque(sorted(self._steps, key=lambda step: rank(step[0])))
+
     def pause(self) -> list[Callable[[], None]]:
         """Stop taking steps; once the one running (if any) is done, return those not started (taken off). An error
         of the worker's is left for the next :meth:`wait` or :meth:`raise_error` (after the caller's undo)."""
@@ -86,7 +107,7 @@ class HostWorker:
             self._paused = True
             while self._busy or self._lands:
                 self._cond.wait()
-            left, self._steps = list(self._steps), deque()
+            left, self._steps = [work for _, work in self._steps], deque()
         return left
 
     def resume(self) -> None:

@@ -94,6 +94,9 @@ class OptimizerAttachment:
         step.fused = FusedWhereUnchosen(optimizer) if fused else None
         step.before_step = self.before_step
         step.host_stepper = self.host_stepper
+        if self.host_stepper is not None:  # its state, read or loaded, after the steps still to come
+            optimizer.register_state_dict_pre_hook(lambda _: self.host_stepper.finish())
+            optimizer.register_load_state_dict_pre_hook(lambda *_: self.host_stepper.finish())
         optimizer._shard_step = step  # kept by the optimizer: it lives as long as the optimizer
         return step
 
@@ -170,18 +173,22 @@ class RuntimeOptimizers:
         return self.optimizers.attach(optimizer, whole, step_group_numel)
 
     def arm_host_step(self, optimizer: torch.optim.Optimizer, max_norm: Optional[float] = None,
-                      norm_type: float = 2.0) -> bool:
+                      norm_type: float = 2.0, finish_in_forward: bool = False) -> bool:
         """Offload: step each unit on the CPU as its gradient lands in the next backward (engine/optim/host_step.py), for
         ``optimizer`` (attached, elementwise), whose ``step`` must follow that backward with nothing in between
         touching gradients, parameters or param groups, except ``clip_grad_norm_(its parameters, max_norm,
-        norm_type)`` when ``max_norm`` is given. Every rank must call it alike. Returns whether it is armed (not
-        where nothing is offloaded, or the optimizer steps whole parameters)."""
+        norm_type)`` when ``max_norm`` is given. ``finish_in_forward``: ``step`` returns before every unit is stepped,
+        and the next forward waits for each unit's step as it gathers it (reading the optimizer's state directly, not
+        through ``state_dict()`` or the checkpoint functions, needs :meth:`wait_host_steps` first). Every rank must
+        call it alike. Returns whether it is armed (not where nothing is offloaded, or the optimizer steps whole
+        parameters)."""
         step = self.optimizers.step_of(optimizer)
         stepper = self.optimizers.host_stepper
         if step is None or stepper is None:
             return False
         clip = None if max_norm is None else (float(max_norm), check_norm_type(norm_type))
-        return stepper.arm(step, clip, decides=clip is not None or self.nonfinite is not None)
+        return stepper.arm(step, clip, decides=clip is not None or self.nonfinite is not None,
+                           finish_in_forward=finish_in_forward)
 
     def step(self, optimizer: torch.optim.Optimizer, closure: Optional[Callable[[], Any]] = None) -> Any:
         """``optimizer.step(closure)`` for the sharded model (the optimizer must be attached), then

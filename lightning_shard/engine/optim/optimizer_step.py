@@ -93,7 +93,10 @@ class ShardedStep:
         """Make the ranks' param groups the same (every rank must call it: the step, clipping, the gradient
         scaler and checkpoints do, before they read the groups), merging what sharding made differ
         (``optimizer_groups.py``); one tiny agreement when they are the same. A gathered parameter a group was
-        given mid-step is replaced by its shard first."""
+        given mid-step is replaced by its shard first. Offload's steps still to come are done first (they read and
+        write the optimizer's state: host_step.py's ``finish_in_forward``)."""
+        if self.host_stepper is not None:
+            self.host_stepper.finish()
         for group in self.optimizer.param_groups:
             params = group["params"]
             if any(id(p) in self._shard_of for p in params):

@@ -50,9 +50,11 @@ class GatherSchedule:
             self.trace.append((op, unit.name))
 
     # -- one unit -----------------------------------------------------------------------------------
-    def launch(self, unit: Unit) -> None:
-        """Start the unit's all-gather on the gather stream without waiting for it (one rank: cast it on compute)."""
-        if unit.is_gathered or unit.inflight is not None:
+    def launch(self, unit: Unit, ahead: bool = False) -> None:
+        """Start the unit's all-gather on the gather stream without waiting for it (one rank: cast it on compute).
+        ``ahead`` (a prefetch): not where offload's step of the unit is still to come (the host would wait for it
+        before launching the computation in hand): the unit's own gather waits."""
+        if unit.is_gathered or unit.inflight is not None or (ahead and unit.storage.step_in_flight()):
             return
         storage, streams = unit.storage, self.streams
         if storage.adopt_rebound_shards():  # (on compute: what a momentum teacher's `p.data = ...` gave them)
@@ -215,7 +217,7 @@ class GatherSchedule:
         for upcoming in order[position + 1 : position + 1 + self.prefetch]:
             # a cast on compute is made when the unit is gathered: made ahead, it would be made again
             if not upcoming.storage.casts_on_compute and (needs_gather is None or needs_gather(upcoming)):
-                self.launch(upcoming)
+                self.launch(upcoming, ahead=True)
         return position + 1
 
     def record_order(self) -> None:

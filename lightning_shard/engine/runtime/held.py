@@ -34,7 +34,9 @@ class HeldUnits:
 
     def adopt_rebound_shards(self) -> None:
         """Shard parameters given other tensors between steps (``p.data = ...``: a momentum teacher's update) hold
-        their values in the shards again: before anything reads the shards (a gather does it itself; a checkpoint)."""
+        their values in the shards again: before anything reads the shards (a gather does it itself; a checkpoint).
+        Offload's steps still to come are done first."""
+        self.wait_host_steps()
         for unit in self.units:
             unit.storage.adopt_rebound_shards()
 

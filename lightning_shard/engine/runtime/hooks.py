@@ -81,7 +81,8 @@ class ShardRuntime(StepScope, HeldUnits, ModelEntries, RuntimeOptimizers, Runtim
                                        self.world_size, self.stats)
         self.reducer = GradientReducer(units, groups, reduce_dtype, self.stats, self.schedule)
         # offload: the CPU steps each unit as its gradient lands, when armed (host_step.py)
-        self.host_stepper = HostStepper(units) if units and all(u.storage.offloaded for u in units) else None
+        self.host_stepper = (HostStepper(units, self._forward_order) if units and all(u.storage.offloaded for u in units)
+                             else None)
         self.reducer.host_stepper = self.host_stepper
         self.restage_each_step = True  # offload: staging copies made again at each step's first gathers (offload.py)
         self._depth = 0  # nesting of steps / root forwards
@@ -133,6 +134,17 @@ class ShardRuntime(StepScope, HeldUnits, ModelEntries, RuntimeOptimizers, Runtim
             self.schedule.reshard(unit)
         self.refresh_gathered(stepped=True)
 
+    def _forward_order(self) -> list[Unit]:
+        """The units as the next forward gathers them: the root's first, then as the last step ran them."""
+        root = [self.root_unit] if self.root_unit is not None else []
+        return root + [unit for unit in self.schedule.order if unit is not self.root_unit]
+
+    def wait_host_steps(self) -> None:
+        """Offload armed with ``finish_in_forward``: wait until every unit's step is done (raises its error). Reading
+        a unit's parameters waits for its own step; this is for what reads the optimizer's state directly."""
+        if self.host_stepper is not None:
+            self.host_stepper.finish()
+
     @property
     def last_step_stats(self) -> dict[str, float]:
         """The last step's communication figures (step_figures.py)."""
@@ -142,7 +154,10 @@ class ShardRuntime(StepScope, HeldUnits, ModelEntries, RuntimeOptimizers, Runtim
         """The shards were written (a load; ``stepped``: an optimizer step, which writes only the parameters that have
         a gradient: a frozen unit's copies stay as they are, offload moves nothing of it again): their copies are
         stale, and the units held gathered are gathered again."""
+        stepper = self.host_stepper
         for unit in self.units:
+            if stepped and stepper is not None and stepper.restages(unit):
+                continue  # its step is still to come (finish_in_forward), and makes its copies itself
             if not stepped or any(p.grad is not None for p in unit.storage.shard_params):
                 unit.storage.shards_changed()
         self.schedule.refresh(self.units)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import weakref
 from contextlib import nullcontext
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor, nn
@@ -82,9 +82,19 @@ class _HostShardParameter(nn.Parameter):
     """An offloaded unit's shard parameter (the master, between steps): ``.data``, read or set, makes the unit's
     copies for the device stale, as an in-place write's version bump does (a write through ``.data`` bumps none).
     The overlapped step reuses the copies it made (``restage_each_step`` off): a weight constraint written through
-    ``.data`` in ``training_step``, before the forward, must reach that forward (WGAN's clipping)."""
+    ``.data`` in ``training_step``, before the forward, must reach that forward (WGAN's clipping). And any use of it
+    (an op, ``.grad``, ``.data``) waits for the unit's step where that is still to come (host_step.py's
+    ``finish_in_forward``): a penalty over ``self.parameters()`` in ``training_step`` reads the stepped values."""
 
     _host_shard: Callable[[], Optional["HostShard"]]
+
+    @classmethod
+    def __torch_function__(cls, func: Callable, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        storage = cls._host_shard()
+        if storage is not None and storage.await_step is not None:
+            storage.settle()
+        with torch._C.DisableTorchFunctionSubclass():  # (as nn.Parameter: plain tensors out)
+            return func(*args, **(kwargs or {}))
 
     @property  # type: ignore[override]
     def data(self) -> Tensor:
@@ -108,6 +118,7 @@ class HostShard(FlatShard):
 
     offloaded = True
     steps_overlapped = True  # its optimizer step may run as its gradients land (host_step.py)
+    await_step: Optional[Callable[[], None]] = None  # its step, still to come after optimizer.step() returned
 
     def __init__(self, slots: list[ParamSlot], flat: Tensor, rank: int, world_size: int,
                  param_dtype: Optional[torch.dtype] = None, *, keep_on_device: bool) -> None:
@@ -133,7 +144,23 @@ class HostShard(FlatShard):
         return torch.zeros(numel, dtype=dtype, pin_memory=self.pinned)
 
     # -- host to device -----------------------------------------------------------------------------
+    def settle(self) -> None:
+        """Wait for this unit's overlapped step where it is still to come (host_step.py's ``finish_in_forward``)."""
+        waiting = self.await_step
+        if waiting is not None:
+            waiting()
+
+    def step_in_flight(self) -> bool:
+        return self.await_step is not None
+
+    def stepped_late(self) -> None:
+        """(The worker, under its lock.) Stepped and staged after the optimizer step's end: nothing waits, and no
+        step's end is left to take the staging as its own."""
+        self.await_step = None
+        self._staged_by_step = False
+
     def shards_changed(self) -> None:
+        self.settle()
         if self._staged_by_step:  # the optimizer step's end, after the overlapped step staged what it wrote
             self._staged_by_step = False
             return
@@ -142,6 +169,7 @@ class HostShard(FlatShard):
     def forget_staging(self) -> None:
         """The shard was written again after :meth:`stage_after_step` (a speculative step undone), or may have been
         (a shard parameter's ``.data``)."""
+        self.settle()
         self._staged_by_step = False
         self._stale = True
 
@@ -176,6 +204,7 @@ class HostShard(FlatShard):
     def _staged(self) -> Tensor:
         """The staging copy, rewritten first if the shard may have changed since (its version counter moved, or
         :meth:`shards_changed`: fused optimizers and ``.data`` writes leave the counter alone)."""
+        self.settle()
         version = self.shard._version
         if self._stale or self._staged_version != version:
             self._staging_read.wait()  # never rewrite what a queued copy still reads
@@ -193,7 +222,7 @@ class HostShard(FlatShard):
         """The compute-dtype shard on the device, in the current stream's order (the gather stream's)."""
         if not self.keep_on_device:
             return self._to_device(torch.empty(self.shard_numel, dtype=self.gathered.dtype, device=self.device))
-        staged = self._staged()
+        staged = self._staged()  # (after this unit's step, where it is still to come)
         self._uploaded.wait_on_device()  # a copy the overlapped step queued (on CUDA; else done already)
         if self._on_device is None:
             self._on_device = torch.empty(self.shard_numel, dtype=self.gathered.dtype, device=self.device)
