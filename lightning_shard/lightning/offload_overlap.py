@@ -14,7 +14,9 @@ The staging copies the devices read are made right after each unit's step. Code 
 steps without a version bump would not be seen there: where the module or a callback of yours overrides a hook that
 runs between steps, every step still makes its staging copies again at its first gathers
 (``ShardRuntime.restage_each_step``), as before; and touching a shard parameter's ``.data`` anywhere (``training_step``
-too) makes its unit's copies again (``engine/storage/offload.py``).
+too) makes its unit's copies again (``engine/storage/offload.py``). Where no such hook runs, ``optimizer.step()`` may
+also return before every unit is stepped (``finish_in_forward``): the next forward waits for each unit's step as it
+gathers it.
 """
 
 from __future__ import annotations

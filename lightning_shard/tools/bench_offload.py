@@ -15,8 +15,9 @@ are its own), and one that runs out of device memory is reported as such (measur
 configuration: the median step after warm-up and its ratio to ``none`` at the same batch, the device's
 ``max_memory_allocated`` peak, the host's resident peak above the process's start, the master shards' bytes in host
 memory (pinned on a GPU), the host's time per step in the optimizer's step (serial: the CPU's pass; overlapped: the
-wait for it), in the overlapped step's worker, waiting for gradients, and the speculative steps' backups at their
-peak; the first and last losses.
+wait for it), in the overlapped step's worker, waiting for gradients, the speculative steps' backups at their
+peak, the units per step the worker stepped after ``optimizer.step()`` returned (the next forward ran behind it);
+the first and last losses.
 """
 
 from __future__ import annotations
@@ -122,6 +123,7 @@ def run_one(name: str, config: str, device: str, steps: int, warmup: int) -> dic
         host_peak_gib=host.growth_mb() / 1024, master_on_host_gib=on_host / GiB,
         overlapped=stepper.overlapped_steps if stepper is not None else 0,
         backups_gib=stepper.peak_backup_bytes / GiB if stepper is not None else 0.0,
+        behind=stepper.deferred_units / max(stepper.overlapped_steps, 1) if stepper is not None else 0.0,
         losses=[float(module.losses[0]), float(module.losses[-1])] if module.losses else [],
     )
     return result
@@ -139,7 +141,7 @@ def table(name: str, results: list[dict]) -> str:
 
     rows = [f"{'offload':<20}{'step s':>8}{'x none':>8}{'x limit':>8}{'device GiB':>11}{'x none':>7}{'host GiB':>9}"
             f"{'master GiB':>11}{'optimizer s':>12}{'worker s':>9}{'staging s':>10}{'grad wait s':>12}"
-            f"{'backups GiB':>12}  losses (first, last) / error"]
+            f"{'backups GiB':>12}{'behind':>7}  losses (first, last) / error"]
     for r in results:
         losses = r.get("error") or ", ".join(f"{v:.3f}" for v in r["losses"])
         phases = r.get("phases_s") or {}
@@ -149,12 +151,14 @@ def table(name: str, results: list[dict]) -> str:
                     f"{r['device_peak_gib'] / base(r, 'device_peak_gib'):>7.2f}{r['host_peak_gib']:>9.2f}"
                     f"{r['master_on_host_gib']:>11.2f}{phases.get('optimizer', nan):>12.3f}"
                     f"{phases.get('worker', nan):>9.3f}{phases.get('staging', nan):>10.3f}"
-                    f"{phases.get('grad_wait', nan):>12.3f}{r.get('backups_gib', nan):>12.2f}  {losses}")
+                    f"{phases.get('grad_wait', nan):>12.3f}{r.get('backups_gib', nan):>12.2f}"
+                    f"{r.get('behind', nan):>7.1f}  {losses}")
     layers, hidden, inner, heads, kv, vocab, seq, batch = MODELS[name]
     rows.append(f"\n{name}: LlamaForCausalLM, {layers} layers, hidden {hidden}, intermediate {inner}, {heads} heads /"
                 f" {kv} KV, vocab {vocab} (untied), sequence {seq}, batch {batch} unless :BATCH; bf16-mixed, AdamW,"
                 " world 1; one process per configuration. x limit: the step over the larger of the step without"
-                " offload and the CPU's optimizer pass alone (the serial run's optimizer s) at the same batch")
+                " offload and the CPU's optimizer pass alone (the serial run's optimizer s) at the same batch; behind:"
+                " units per step stepped after optimizer.step() returned, the next forward waiting for each")
     gpu = f"{torch.cuda.get_device_name()}, " if torch.cuda.is_available() else ""
     rows.append(f"machine: {gpu}{os.cpu_count()} cores; torch {torch.__version__}")
     return "\n".join(rows)
