@@ -185,3 +185,20 @@ def test_setup_says_why_the_step_does_not_overlap():
         "on_before_optimizer_step, Watches.on_after_backward run between backward and step")
     assert "16-mixed" in not_overlapped(trainer(L.LightningModule()), "16-mixed")
     assert "'value'" in not_overlapped(trainer(L.LightningModule(), algorithm="value"), "32-true")
+
+
+def test_the_host_steps_cpu_threads_leave_two_cores_and_can_be_chosen(monkeypatch):
+    # on a GPU machine torch's pool on every core, spinning between the step's kernels, delays the backward it overlaps
+    import os
+
+    from lightning_shard.engine.optim.host_worker import host_step_threads
+
+    monkeypatch.delenv("LIGHTNING_SHARD_HOST_STEP_THREADS", raising=False)
+    assert host_step_threads() == max(1, len(os.sched_getaffinity(0)) - 2)
+    monkeypatch.setenv("LIGHTNING_SHARD_HOST_STEP_THREADS", "0")
+    assert host_step_threads() is None  # torch's own count
+    monkeypatch.setenv("LIGHTNING_SHARD_HOST_STEP_THREADS", "3")
+    assert host_step_threads() == 3
+    monkeypatch.setenv("LIGHTNING_SHARD_HOST_STEP_THREADS", "many")
+    with pytest.raises(ValueError, match="LIGHTNING_SHARD_HOST_STEP_THREADS must be a whole number"):
+        host_step_threads()

@@ -9,7 +9,8 @@ The model is ``transformers.LlamaForCausalLM`` from a config (built on the meta 
 by the strategy; nothing is downloaded), trained with ShardStrategy under bf16-mixed with AdamW on random tokens.
 A configuration is ``none``, ``optimizer`` or ``params`` (the optimizer step overlapped with backward, as the
 strategy does by default), ``optimizer-serial`` or ``params-serial`` (``offload_overlap=False``: the CPU's step after
-the backward, whose optimizer phase is the CPU's pass alone), each with an optional ``:BATCH``. Each runs in a
+the backward, whose optimizer phase is the CPU's pass alone), each with an optional ``:BATCH`` and an optional
+``@THREADS`` (the host step's CPU threads, ``LIGHTNING_SHARD_HOST_STEP_THREADS``; 0: every core). Each runs in a
 process of its own, forked from one that imported everything once (the device's peak and the host's high-water mark
 are its own), and one that runs out of device memory is reported as such (measured, not assumed). Per
 configuration: the median step after warm-up and its ratio to ``none`` at the same batch, the device's
@@ -67,7 +68,10 @@ def run_one(name: str, config: str, device: str, steps: int, warmup: int) -> dic
     from lightning_shard.engine.optim.optimizer_step import ShardedStep
     from lightning_shard.engine.storage.offload import HostShard
 
-    mode, _, batch_text = config.partition(":")
+    config_only, _, threads = config.partition("@")
+    if threads:
+        os.environ["LIGHTNING_SHARD_HOST_STEP_THREADS"] = threads  # (this configuration's process only)
+    mode, _, batch_text = config_only.partition(":")
     offload = None if mode == "none" else mode.removesuffix("-serial")
 
     class LitLlama(L.LightningModule):
@@ -181,7 +185,7 @@ def main(argv=None) -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--model", choices=tuple(MODELS), default="llama-tiny")
     parser.add_argument("--offload", nargs="+", type=_config, default=["none", "optimizer", "params"],
-                        help=f"configurations: {', '.join(OFFLOAD)}, each with an optional :BATCH"
+                        help=f"configurations: {', '.join(OFFLOAD)}, each with an optional :BATCH and @THREADS"
                              " (default: none optimizer params)")
     parser.add_argument("--steps", type=at_least(1), default=6)
     parser.add_argument("--warmup", type=at_least(1), default=2)
@@ -206,10 +210,12 @@ def main(argv=None) -> None:
 
 
 def _config(text: str) -> str:
-    mode, colon, batch = text.partition(":")
-    if mode not in OFFLOAD or (colon and not (batch.isdigit() and int(batch) > 0)):
+    config, at, threads = text.partition("@")
+    mode, colon, batch = config.partition(":")
+    if (mode not in OFFLOAD or (colon and not (batch.isdigit() and int(batch) > 0))
+            or (at and not threads.isdigit())):
         raise argparse.ArgumentTypeError(f"{text!r}: one of {', '.join(OFFLOAD)}, with an optional :BATCH (a positive"
-                                         " integer)")
+                                         " integer) and an optional @THREADS (a whole number, 0: every core)")
     return text
 
 

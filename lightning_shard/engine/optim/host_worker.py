@@ -5,11 +5,15 @@ would hold every step back until the whole backward had landed). The steps not s
 (:meth:`HostWorker.reorder`: the one the next forward needs them in).
 
 One thread: torch's CPU kernels (the fused AdamW) spread each tensor over the host's cores themselves; a second thread
-would only contend for the same memory bandwidth, which is what bounds the step.
+would only contend for the same memory bandwidth, which is what bounds the step. On a GPU machine it spreads them over
+all the host's cores but two (:func:`host_step_threads`), left to the threads that launch the device's work (the
+training loop's, autograd's): torch's pool on every core, spinning between kernels, would delay the backward it
+overlaps. An elementwise step's numbers do not depend on its threads.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import deque
 from typing import Callable, Optional
@@ -29,13 +33,17 @@ class HostWorker:
         self._paused = False
         self._error: Optional[BaseException] = None
         self._thread: Optional[threading.Thread] = None
+        self._started = threading.Event()  # the thread chose its CPU threads (torch's count is per thread once set)
 
     def submit(self, work: Callable[[], None], ready: Optional[Callable[[], bool]] = None, key: int = -1) -> None:
         """A step (of unit ``key``), or (``ready`` given: whether its gradient has arrived) a landing."""
         with self._cond:
             if self._thread is None:
+                threads = torch.get_num_threads()
                 self._thread = threading.Thread(target=self._run, name="lightning_shard host step", daemon=True)
                 self._thread.start()
+                self._started.wait()
+                torch.set_num_threads(threads)  # (this thread's, and the default of threads started later, as before)
             if ready is None:
                 self._steps.append((key, work))
             else:
@@ -53,8 +61,13 @@ class HostWorker:
         try:
             if self.device.type == "cuda" and self.device.index is not None:
                 torch.cuda.set_device(self.device)  # per thread: the rank's device, not device 0
+            threads = host_step_threads() if self.device.type == "cuda" else None
+            if threads:
+                torch.set_num_threads(threads)
         except BaseException as err:  # noqa: BLE001 - re-raised on the host's thread (nothing runs after it)
             self._error = err
+        finally:
+            self._started.set()
         while True:
             with self._cond:
                 while not (self._lands or (self._steps and not self._paused)):
@@ -119,6 +132,19 @@ class HostWorker:
         error, self._error = self._error, None
         if error is not None:
             raise error
+
+
+def host_step_threads() -> Optional[int]:
+    """The worker's CPU threads on a GPU machine: the host's cores but two (at least one); the environment variable
+    ``LIGHTNING_SHARD_HOST_STEP_THREADS`` sets another count (0: torch's own, every core)."""
+    chosen = os.environ.get("LIGHTNING_SHARD_HOST_STEP_THREADS")
+    if chosen is not None:
+        if not chosen.isdigit():
+            raise ValueError(f"LIGHTNING_SHARD_HOST_STEP_THREADS must be a whole number of threads (0: torch's own);"
+                             f" got {chosen!r}.")
+        return int(chosen) or None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores - 2)
 
 
 def _arrived(ready: Callable[[], bool]) -> bool:
