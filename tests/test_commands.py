@@ -120,7 +120,7 @@ def test_the_gpu_sessions_tools_run_on_the_cpu(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert '"phases_s": {"optimizer": ' in proc.stdout  # each configuration's figures printed as it finishes
     row = next(line for line in proc.stdout.splitlines() if line.startswith("params ") and " done in " not in line)
-    assert "error" not in row and len(row.split()) == 15, row  # 12 figures, then the two losses
+    assert "error" not in row and len(row.split()) == 16, row  # 13 figures, then the two losses
 
 
 def test_the_engine_compares_with_a_git_revision(tmp_path):
