@@ -6,7 +6,6 @@ one against the fit without offload, bit for bit too (test_offload.py's premise)
 from __future__ import annotations
 
 import math
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -15,7 +14,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_shard.checkpoint.full import full_state_dict
-from tests.models import Penalized, TinyGPT
+from tests.models import Penalized, SlowAdamW, TinyGPT
 from tests.offload_scenarios import _batches
 from tests.world import as_lightning_rank
 
@@ -60,16 +59,6 @@ class CountingSGD(torch.optim.SGD):
             for param in group["params"]:
                 if param.grad is not None:
                     param.add_(param.grad, alpha=-group["lr"] / count**0.5)
-
-
-class SlowAdamW(torch.optim.AdamW):
-    """AdamW that takes 20 ms longer per call (a host slower than its device: each unit's step outlasts the next
-    forward's use of the one before, so ``optimizer.step()`` returns before most units are stepped)."""
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        time.sleep(0.02)
-        return super().step(closure)
 
 
 class GPT(L.LightningModule):

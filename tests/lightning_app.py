@@ -19,7 +19,7 @@ from lightning.pytorch.utilities import grad_norm
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lightning_shard import ShardStrategy  # noqa: E402
 from lightning_shard.checkpoint.full import full_state_dict  # noqa: E402
-from tests.models import TinyGPT  # noqa: E402
+from tests.models import SlowAdamW, TinyGPT  # noqa: E402
 from tests.world import leave_lightning_app  # noqa: E402
 
 
@@ -88,6 +88,8 @@ class LitGPT(L.LightningModule):
                     torch.optim.AdamW(others, lr=1e-2, **self.adamw_options)]
         elif self.optimizer == "adafactor":
             opts = [torch.optim.Adafactor(groups, lr=1e-2)]
+        elif self.optimizer == "slow adamw":  # (a host slower than its device: tests/models.py)
+            opts = [SlowAdamW(groups, lr=1e-2, **self.adamw_options)]
         else:
             opts = [torch.optim.AdamW(groups, lr=1e-2, **self.adamw_options)]
         return opts, [torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5) for opt in opts]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.utils.checkpoint
 import torch.nn.functional as F
@@ -373,3 +375,13 @@ class Penalized(nn.Module):
     @staticmethod
     def batch(generator: torch.Generator, n: int) -> torch.Tensor:
         return torch.randn(n, 6, generator=generator)
+
+
+class SlowAdamW(torch.optim.AdamW):
+    """AdamW that takes 20 ms longer per call (a host slower than its device: each unit's step outlasts the next
+    forward's use of the one before, so ``optimizer.step()`` returns before most units are stepped)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        time.sleep(0.02)
+        return super().step(closure)
