@@ -114,6 +114,10 @@ class GPT(L.LightningModule):
             return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
         if self.optimizer == "slow adamw":
             return SlowAdamW(self.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+        if self.optimizer == "slow adamw, a tensor lr decayed each step":  # the scheduler writes the lr in place
+            optimizer = SlowAdamW(self.parameters(), lr=torch.tensor(1e-2), weight_decay=0.1, fused=True)
+            schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
         decay = [p for p in self.parameters() if p.ndim >= 2]
         rest = [p for p in self.parameters() if p.ndim < 2]
         optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
@@ -159,13 +163,15 @@ class ClipSchedule(Callback):
 def fit(rank: int, world: int, offload: Optional[str], overlap: bool, optimizer: str, clip: Optional[float],
         accumulate: int, epochs: int, nonfinite_at: tuple[int, ...] = (), save_to: Optional[Path] = None,
         resume_from: Optional[Path] = None, module: type = GPT, in_step: tuple[str, ...] = (),
-        clip_by_epoch: Optional[tuple[Optional[float], ...]] = None, nonfinite: Optional[str] = "skip") -> dict:
+        clip_by_epoch: Optional[tuple[Optional[float], ...]] = None, nonfinite: Optional[str] = "skip",
+        free_grads_after_step: bool = True) -> dict:
     from lightning_shard import ShardStrategy
 
     torch.manual_seed(0)
     module = module(optimizer, nonfinite_at, in_step)
     strategy = ShardStrategy(units=module.UNITS, offload=offload, offload_overlap=overlap, nonfinite=nonfinite,
-                             elementwise_optimizers=[FailingSGD, CountingSGD, SlowAdamW])
+                             elementwise_optimizers=[FailingSGD, CountingSGD, SlowAdamW],
+                             free_grads_after_step=free_grads_after_step)
     callbacks = [ModelCheckpoint(save_to, filename="{epoch}", save_top_k=-1)] if save_to is not None else []
     callbacks += [ClipSchedule(clip_by_epoch)] if clip_by_epoch is not None else []
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_epochs=epochs, logger=False,

@@ -79,6 +79,19 @@ def test_what_the_user_does_before_the_backward_overlaps_as_it_steps_serially():
                       "optimizer raising": ("raised", "ValueError: the user's optimizer failed")}, report
 
 
+def test_what_runs_between_steps_waits_for_the_host_steps_still_to_come():
+    # optimizer.step() returns with units still to step (finish_in_forward); with free_grads_after_step=False no
+    # zero_grad after it waits for them, and what Lightning runs before the next forward went on beside the worker:
+    # a tensor learning rate written in place by the per-step LR scheduler (fill_) was the one the units still to
+    # step used
+    cases = {
+        "a tensor lr decayed in place each step": {"optimizer": "slow adamw, a tensor lr decayed each step",
+                                                   "clip": None, "accumulate": 1, "free_grads_after_step": False},
+    }
+    report = run_world(scenarios.overlapped_like_serial, 2, cases, timeout=600)[0]
+    assert report == {name: "same" for name in cases}, report
+
+
 def test_an_optimizer_keeping_state_outside_its_parameters_is_refused_by_the_overlapped_step():
     # stepped unit by unit, a step count kept in the param group (timm's Adan) or in optimizer.state["k"] (MADGRAD's)
     # was counted once per unit, or not at all: silently other numbers than the serial step's

@@ -40,6 +40,7 @@ from lightning_shard.engine.optim.host_step_state import (
     Backup,
     changed_since,
     copy_state,
+    group_options,
     outside_params,
     written_outside,
 )
@@ -120,12 +121,12 @@ class HostStepper:
                 if where is None:
                     return False
                 params.setdefault(where[0], [[] for _ in groups])[g].append(param)
-        options = [{k: v for k, v in group.items() if k != "params"} for group in groups]
+        options = [group_options(group) for group in groups]
         if step.fused is not None:
             with step.fused():  # torch's fused kernel where the sharded step would choose it (fused_default.py)
-                shadow = [{k: v for k, v in group.items() if k != "params"} for group in groups]
+                shadow = [group_options(group) for group in groups]
         else:
-            shadow = [dict(o) for o in options]
+            shadow = [group_options(group) for group in groups]  # (their own copies: a step may not write options)
         total = sum(p.numel() for per_group in params.values() for ps in per_group for p in ps)
         self.armed = _Arming(step, clip, decides, options, shadow, params_key(optimizer), params,
                              budget=int(total * SPECULATIVE_SHARE) if decides and self.speculate else 0,

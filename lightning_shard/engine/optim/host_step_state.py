@@ -38,6 +38,21 @@ def copy_state(state: Optional[dict]) -> Optional[dict]:
     return {k: v.clone() if isinstance(v, Tensor) else v for k, v in state.items()}
 
 
+def group_options(group: dict) -> dict:
+    """A param group's options (not its parameters) as they are now: a tensor among them copied (an LR scheduler writes
+    a tensor learning rate in place, ``fill_``, right after ``optimizer.step()``: a unit's step still to come then
+    must not see it, nor a check see an in-place change as no change)."""
+    return {k: _copied(v) for k, v in group.items() if k != "params"}
+
+
+def _copied(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.clone()
+    if isinstance(value, (tuple, list)) and any(isinstance(v, Tensor) for v in value):
+        return type(value)(_copied(v) for v in value)  # (Adam's betas as tensors)
+    return value
+
+
 def outside_params(state: dict) -> dict:
     """The optimizer's state not kept under a parameter (``optimizer.state["k"]``), copied."""
     return {key: value.clone() if isinstance(value, Tensor) else value for key, value in state.items()
