@@ -164,8 +164,8 @@ def fit(rank: int, world: int, offload: Optional[str], overlap: bool, optimizer:
         accumulate: int, epochs: int, nonfinite_at: tuple[int, ...] = (), save_to: Optional[Path] = None,
         resume_from: Optional[Path] = None, module: type = GPT, in_step: tuple[str, ...] = (),
         clip_by_epoch: Optional[tuple[Optional[float], ...]] = None, nonfinite: Optional[str] = "skip",
-        free_grads_after_step: bool = True) -> dict:
-    from lightning_shard import ShardStrategy
+        ema: bool = False, free_grads_after_step: bool = True) -> dict:
+    from lightning_shard import ShardedEMA, ShardStrategy
 
     torch.manual_seed(0)
     module = module(optimizer, nonfinite_at, in_step)
@@ -174,6 +174,7 @@ def fit(rank: int, world: int, offload: Optional[str], overlap: bool, optimizer:
                              free_grads_after_step=free_grads_after_step)
     callbacks = [ModelCheckpoint(save_to, filename="{epoch}", save_top_k=-1)] if save_to is not None else []
     callbacks += [ClipSchedule(clip_by_epoch)] if clip_by_epoch is not None else []
+    callbacks += [ShardedEMA(decay=0.9)] if ema else []  # (its update reads the master shards after each step)
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_epochs=epochs, logger=False,
                         precision="bf16-mixed", accumulate_grad_batches=accumulate, gradient_clip_val=clip,
                         callbacks=callbacks, use_distributed_sampler=False, enable_checkpointing=save_to is not None,

@@ -143,6 +143,19 @@ class HostShard(FlatShard):
     def _new_shard(self, numel: int, dtype: torch.dtype) -> Tensor:
         return torch.zeros(numel, dtype=dtype, pin_memory=self.pinned)
 
+    @property  # type: ignore[override]
+    def shard(self) -> Tensor:
+        """This rank's master shard, after the unit's step where that is still to come (``finish_in_forward``): what
+        reads or writes it directly, not through the shard parameters (a weight average's update after each step, a
+        load), sees the stepped values, and is not overwritten by the step after it."""
+        if self.await_step is not None:
+            self.settle()
+        return self._master_shard
+
+    @shard.setter
+    def shard(self, value: Tensor) -> None:
+        self._master_shard = value
+
     # -- host to device -----------------------------------------------------------------------------
     def settle(self) -> None:
         """Wait for this unit's overlapped step where it is still to come (host_step.py's ``finish_in_forward``)."""
