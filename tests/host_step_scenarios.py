@@ -225,6 +225,38 @@ def overlapped_as_serial(rank: int, world: int, cases: list[dict], save_dir: str
     return reports
 
 
+def collectives_of_the_worker(rank: int, world: int, case: dict) -> dict:
+    """The overlapped fit (fit options ``case``) of an optimizer whose ``step`` calls its parent's, which torch has
+    hooked (an AdamW built before in the process: torch wraps a class's ``step`` with the optimizer hooks at its first
+    instance): the collectives its host worker thread issued, and whether it gives the serial fit's numbers."""
+    import threading
+
+    import torch.distributed as dist
+
+    as_lightning_rank(rank, world)
+    torch.optim.AdamW([torch.zeros(1, requires_grad=True)])  # (AdamW.step hooked, as after any AdamW in the process)
+    off_main: list[str] = []
+    originals = {name: getattr(dist, name) for name in ("all_reduce", "all_gather_into_tensor", "broadcast")}
+
+    def watched(name):
+        def collective(*args, **kwargs):
+            if threading.current_thread() is not threading.main_thread():
+                off_main.append(name)
+            return originals[name](*args, **kwargs)
+        return collective
+
+    for name in originals:
+        setattr(dist, name, watched(name))
+    try:
+        overlapped = fit(rank, world, "optimizer", True, epochs=1, **case)
+        serial = fit(rank, world, "optimizer", False, epochs=1, **case)
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+    return {"off the main thread": sorted(set(off_main)), "overlapped": overlapped["overlapped"] > 0,
+            "same": overlapped["losses"] == serial["losses"] and not _differ(overlapped, serial)}
+
+
 class FrozenBase(GPT):
     """GPT with its first two blocks frozen (a fine-tuned base's): under offload their host copies never change."""
 

@@ -94,6 +94,17 @@ def test_what_runs_between_steps_waits_for_the_host_steps_still_to_come():
     assert report == {name: "same" for name in cases}, report
 
 
+def test_the_host_worker_issues_no_collective():
+    # SlowAdamW's step calls AdamW's, which torch wraps with the optimizer hooks once any AdamW was built in the
+    # process: the engine's global step pre-hook ran inside the worker's step of each unit, and with nonfinite set it
+    # agreed on the gradients' finiteness (an all-reduce) from the worker thread, in whatever order it met the main
+    # thread's collectives of the backward (and, behind optimizer.step(), of the next forward) on each rank: a
+    # collective mismatch (gloo aborts the rank; NCCL hangs)
+    case = {"optimizer": "slow adamw", "clip": None, "accumulate": 1, "nonfinite": "skip"}
+    report = run_world(scenarios.collectives_of_the_worker, 2, case, timeout=600)[0]
+    assert report == {"off the main thread": [], "overlapped": True, "same": True}, report
+
+
 def test_an_optimizer_keeping_state_outside_its_parameters_is_refused_by_the_overlapped_step():
     # stepped unit by unit, a step count kept in the param group (timm's Adan) or in optimizer.state["k"] (MADGRAD's)
     # was counted once per unit, or not at all: silently other numbers than the serial step's

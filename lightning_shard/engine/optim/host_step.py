@@ -305,6 +305,10 @@ class HostStepper:
             self._release(armed)
             self._drop_backups(armed)
 
+    def on_worker(self) -> bool:
+        """Whether the caller runs on the worker's thread (inside a unit's step)."""
+        return self._worker.on_worker()
+
     def restages(self, unit: Unit) -> bool:
         """Whether ``unit``'s step was still to come as ``optimizer.step()`` returned: the worker makes its copies."""
         armed = self.in_flight
