@@ -140,6 +140,35 @@ def test_the_worker_steps_while_a_gradient_is_still_on_its_way():
     assert done.index("step 3") < done.index("land 2") and done[-1] == "land 4", done
 
 
+def test_a_step_error_of_the_worker_is_raised_where_that_step_is_waited_for():
+    # a unit's step failing on the worker raised at whichever wait came next, which depends on when it failed: the end
+    # of backward's wait for the landings on one rank, optimizer.step() or the next forward's gather of a unit stepped
+    # before it on another, each followed by different collectives (a hang); and what was queued after it ran once
+    # the error had been raised
+    import threading
+
+    import torch
+
+    from lightning_shard.engine.optim.host_worker import HostWorker
+
+    worker, done, failed = HostWorker(torch.device("cpu")), [], threading.Event()
+
+    def fail() -> None:
+        failed.set()
+        raise ValueError("the step of unit 2 failed")
+
+    worker.submit(lambda: done.append(1), key=1)
+    worker.submit(fail, key=2)
+    worker.submit(lambda: done.append(3), key=3)
+    worker.submit(lambda: done.append("landing"), ready=failed.is_set)  # (held back until the step failed)
+    worker.wait(lands_only=True)  # the end of backward: a step's error is not raised here
+    worker.wait_for(lambda: 1 in done)  # stepped before the failure: nothing to raise
+    with pytest.raises(ValueError, match="unit 2 failed"):
+        worker.wait_for(lambda: 3 in done)
+    worker.wait()
+    assert done == [1], done  # what was queued after the failure was dropped
+
+
 @pytest.mark.parametrize("offload", ["optimizer", "params"])
 def test_frozen_units_are_copied_once_under_offload(offload):
     # a frozen base's copies were made again after every optimizer step (a host cast, and under "optimizer" a copy

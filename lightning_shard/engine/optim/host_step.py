@@ -260,9 +260,7 @@ class HostStepper:
             self.disarm()
             return False
         try:
-            if armed.defer:
-                self._worker.raise_error()
-            else:
+            if not armed.defer:  # (deferred: an error of a step, raised where that unit's step is waited for)
                 self._worker.wait()
             with self._worker.lock:
                 armed.pending = set(armed.queued) - armed.done
