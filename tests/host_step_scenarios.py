@@ -6,6 +6,7 @@ one against the fit without offload, bit for bit too (test_offload.py's premise)
 from __future__ import annotations
 
 import math
+import threading
 import time
 from pathlib import Path
 from typing import Optional
@@ -72,6 +73,27 @@ class SlowAdamW(torch.optim.AdamW):
         return super().step(closure)
 
 
+class GatedAdamW(SlowAdamW):
+    """SlowAdamW whose first two steps of a unit still to step after ``optimizer.step()`` returned (finish_in_forward),
+    of the units the next forward gathers after those it prefetches at its start, wait until the next training step
+    has begun (GPT's "gate" in_step opens them): where the host waits for such a unit before the next forward, the
+    wait times out (5 s) and counts as ``held``."""
+
+    cond = threading.Condition()
+    stepper, gated, opened, counts = None, set(), [], {}  # (set by GPT's training step, reset by fit)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        gate, armed = GatedAdamW, getattr(GatedAdamW.stepper, "in_flight", None)
+        mine = self.param_groups[0]["params"]
+        if armed is not None and gate.counts["gated"] < 2 and any(id(p) in gate.gated for p in mine):
+            with gate.cond:
+                gate.counts["gated"] += 1
+                if not gate.cond.wait_for(lambda: any(a is armed for a in gate.opened), timeout=5):
+                    gate.counts["held"] += 1
+        return super().step(closure)
+
+
 class GPT(L.LightningModule):
     """TinyGPT with AdamW (fused where none is chosen: the CPU's fused kernel when offloaded) or SGD with momentum;
     the loss of the micro-batches in ``nonfinite_at`` (epoch 0) is inf. ``in_step``: what the training step does
@@ -96,6 +118,14 @@ class GPT(L.LightningModule):
         if "clamp" in self.in_step:  # WGAN's weight clipping, before the critic's forward: no version counter sees it
             for param in self.parameters():
                 param.data.clamp_(-0.05, 0.05)
+        if "gate" in self.in_step:  # the units of the last step still stepping may step now (GatedAdamW)
+            runtime = self.trainer.strategy.runtime
+            later = [u for u in runtime.order if u is not runtime.root_unit][runtime.schedule.prefetch:]
+            with GatedAdamW.cond:
+                GatedAdamW.stepper = runtime.host_stepper
+                GatedAdamW.gated = {id(p) for u in later for p in u.storage.shard_params}
+                GatedAdamW.opened.append(runtime.host_stepper.in_flight)
+                GatedAdamW.cond.notify_all()
         if "norm" in self.in_step:  # (this rank's shards: compared with the same rank's in the other fit)
             with torch.no_grad():
                 self.norms.append(float(sum(p.double().square().sum() for p in self.parameters())))
@@ -114,6 +144,8 @@ class GPT(L.LightningModule):
             return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
         if self.optimizer == "slow adamw":
             return SlowAdamW(self.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+        if self.optimizer == "gated adamw":
+            return GatedAdamW(self.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
         if self.optimizer == "slow adamw, a tensor lr decayed each step":  # the scheduler writes the lr in place
             optimizer = SlowAdamW(self.parameters(), lr=torch.tensor(1e-2), weight_decay=0.1, fused=True)
             schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
@@ -169,8 +201,10 @@ def fit(rank: int, world: int, offload: Optional[str], overlap: bool, optimizer:
 
     torch.manual_seed(0)
     module = module(optimizer, nonfinite_at, in_step)
+    GatedAdamW.stepper, GatedAdamW.gated, GatedAdamW.opened = None, set(), []
+    GatedAdamW.counts = {"gated": 0, "held": 0}
     strategy = ShardStrategy(units=module.UNITS, offload=offload, offload_overlap=overlap, nonfinite=nonfinite,
-                             elementwise_optimizers=[FailingSGD, CountingSGD, SlowAdamW],
+                             elementwise_optimizers=[FailingSGD, CountingSGD, SlowAdamW, GatedAdamW],
                              free_grads_after_step=free_grads_after_step)
     callbacks = [ModelCheckpoint(save_to, filename="{epoch}", save_top_k=-1)] if save_to is not None else []
     callbacks += [ClipSchedule(clip_by_epoch)] if clip_by_epoch is not None else []
@@ -187,7 +221,7 @@ def fit(rank: int, world: int, offload: Optional[str], overlap: bool, optimizer:
         "overlapped": stepper.overlapped_steps, "clipped": stepper.clipped_steps,
         "speculative": stepper.speculative_units, "redone": stepper.redone_units, "deferred": stepper.deferred_units}
     return {"losses": module.losses, "norms": module.norms, "state": full_state_dict(runtime, rank0_only=False),
-            "skipped": runtime.skipped_steps, "restage": runtime.restage_each_step, **counts}
+            "skipped": runtime.skipped_steps, "restage": runtime.restage_each_step, **counts, **GatedAdamW.counts}
 
 
 def _differ(a: dict, b: dict) -> list[str]:
@@ -255,6 +289,20 @@ def collectives_of_the_worker(rank: int, world: int, case: dict) -> dict:
             setattr(dist, name, original)
     return {"off the main thread": sorted(set(off_main)), "overlapped": overlapped["overlapped"] > 0,
             "same": overlapped["losses"] == serial["losses"] and not _differ(overlapped, serial)}
+
+
+def forward_behind_the_host(rank: int, world: int, cases: dict[str, dict]) -> dict[str, dict]:
+    """Per named case (fit options, with the gated optimizer): how many unit steps still to come after optimizer.step()
+    returned were held until the next training step began, and were held back by the host (GatedAdamW); whether the
+    fit gives the serial one's losses and parameters bit for bit."""
+    as_lightning_rank(rank, world)
+    report = {}
+    for name, case in cases.items():
+        overlapped = fit(rank, world, "optimizer", True, "gated adamw", epochs=1, **case)
+        serial = fit(rank, world, "optimizer", False, "gated adamw", epochs=1, **case)
+        report[name] = {"gated": overlapped["gated"], "held": overlapped["held"],
+                        "same": overlapped["losses"] == serial["losses"] and not _differ(overlapped, serial)}
+    return report
 
 
 class FrozenBase(GPT):

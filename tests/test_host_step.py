@@ -79,6 +79,18 @@ def test_what_the_user_does_before_the_backward_overlaps_as_it_steps_serially():
                       "optimizer raising": ("raised", "ValueError: the user's optimizer failed")}, report
 
 
+def test_the_next_forward_begins_before_the_host_has_stepped_every_unit():
+    # finish_in_forward did not let the next forward run behind the worker under Lightning: the strategy's zero_grad
+    # right after the step (free_grads_after_step), or else the step's start (it reads every unit's requires_grad),
+    # and optimizer.step()'s own check of the gradients waited for every unit's step (the guard on the shard
+    # parameters waits for any use of them): the steps were deferred, and waited for all the same
+    cases = {"gradients freed after the step": {"clip": None, "accumulate": 1, "in_step": ("gate",)},
+             "gradients kept, clipping": {"clip": 3.0, "accumulate": 1, "in_step": ("gate",),
+                                          "free_grads_after_step": False}}
+    report = run_world(scenarios.forward_behind_the_host, 2, cases, timeout=600)[0]
+    assert report == {name: {"gated": 2, "held": 0, "same": True} for name in cases}, report
+
+
 def test_what_runs_between_steps_waits_for_the_host_steps_still_to_come():
     # optimizer.step() returns with units still to step (finish_in_forward); with free_grads_after_step=False no
     # zero_grad after it waits for them, and what Lightning runs before the next forward went on beside the worker:

@@ -21,7 +21,10 @@ groups, their hyperparameters): a change raises, never a silently different step
 with ``finish_in_forward``, returns with steps still to come: each unit's next gather waits for its own step (so the
 next forward runs behind the worker, not after it), and so does anything else that reads a unit's shard parameters (a
 guard on them: offload.py); what reads the optimizer's state or every unit (checkpoints, the next arming, the next
-step) waits for them all (:meth:`finish`).
+step) waits for them all (:meth:`finish`). Nothing on the way from the step to the forward may wait for every unit,
+or nothing overlaps: the step's own check of the gradients does not wait for the unit stepping then, the strategy's
+``zero_grad`` after the step leaves the gradients of the units still to step to the worker
+(:meth:`free_grads_after_step`), and a step's start reads only what the steps do not change (``requires_grad``).
 
 """
 
@@ -76,6 +79,7 @@ class _Arming:
     done: set[int] = field(default_factory=set)  # units whose step is over (the worker's lock)
     pending: set[int] = field(default_factory=set)  # units still to step after optimizer.step() returned (the lock)
     pending_at_commit: frozenset[int] = frozenset()  # those as it returned: their copies are the worker's to make
+    free_grads: bool = False  # the gradients are freed after the step: the worker frees those of the units in pending
 
 
 class HostStepper:
@@ -269,10 +273,12 @@ class HostStepper:
                     self._by_index[index].storage.await_step = functools.partial(self._await_unit, index)
                 if armed.pending:
                     self.in_flight = armed
-                started = list(armed.stepped)  # (reading a gradient of one stepping now waits for its step)
-            # the units not started step with the gradients there now: those started, with those there before
-            problem = changed_since(armed.step, armed.clip if not armed.clip_asked else None, armed.key,
-                                    armed.options, [armed.stepped[i] for i in started])
+                started = list(armed.stepped)
+            # the units not started step with the gradients there now: those started, with those there before (looked
+            # at without waiting for the one stepping now: its step reads the gradients and writes none of them)
+            with torch._C.DisableTorchFunctionSubclass():
+                problem = changed_since(armed.step, armed.clip if not armed.clip_asked else None, armed.key,
+                                        armed.options, [armed.stepped[i] for i in started])
         except BaseException:
             self._stop_waiting()
             self.cancel()
@@ -311,6 +317,23 @@ class HostStepper:
         """Whether ``unit``'s step was still to come as ``optimizer.step()`` returned: the worker makes its copies."""
         armed = self.in_flight
         return armed is not None and self._position[id(unit)] in armed.pending_at_commit
+
+    def free_grads_after_step(self, optimizer: Optimizer) -> None:
+        """``optimizer.zero_grad()`` right after its step (the strategy frees the gradients then), without waiting for
+        the units still to step: the worker frees theirs once each is stepped (reading them waits until then)."""
+        armed = self.in_flight
+        own_zero_grad = type(optimizer).zero_grad is not Optimizer.zero_grad  # (which may read what it likes)
+        if armed is None or armed.step.optimizer is not optimizer or own_zero_grad:
+            optimizer.zero_grad()
+            return
+        with self._worker.lock:
+            armed.free_grads = True
+            stepping = set(armed.pending)
+        where = armed.step.where
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if where.get(id(param), (None,))[0] not in stepping:
+                    param.grad = None
 
     def _await_unit(self, index: int) -> None:
         """Something other than the worker reads or writes unit ``index``'s shard: its step first."""
@@ -381,6 +404,9 @@ class HostStepper:
                 armed.pending.discard(index)
                 self._by_index[index].storage.stepped_late()
                 self.deferred_units += 1
+                if armed.free_grads:
+                    for param in (p for ps in armed.params[index] for p in ps):
+                        param.grad = None
 
     def _step_params(self, armed: _Arming, index: int, backup: bool) -> None:
         optimizer = armed.step.optimizer

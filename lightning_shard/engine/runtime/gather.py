@@ -217,7 +217,10 @@ class GatherSchedule:
         for upcoming in order[position + 1 : position + 1 + self.prefetch]:
             # a cast on compute is made when the unit is gathered: made ahead, it would be made again
             if not upcoming.storage.casts_on_compute and (needs_gather is None or needs_gather(upcoming)):
-                self.launch(upcoming, ahead=True)
+                # (at the step's start, before any code of the step's: launched as ever, after the unit's offloaded
+                # step where that is still to come, so that what the step's code writes through .data before the
+                # forward misses it alike, overlapped or not)
+                self.launch(upcoming, ahead=unit is not None)
         return position + 1
 
     def record_order(self) -> None:

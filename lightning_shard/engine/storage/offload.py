@@ -78,20 +78,30 @@ class _Landed:
             self._event = None
 
 
+# what tells nothing of a parameter's values (nor changes them): answered at once, its unit's step still to come or not
+# (a step's start reads every unit's requires_grad before the forward; the step changes none of these)
+_METADATA = frozenset([*(getattr(Tensor, name).__get__ for name in (
+    "requires_grad", "shape", "dtype", "device", "is_leaf", "ndim", "layout", "is_sparse", "is_cuda", "is_meta",
+    "grad_fn", "itemsize", "nbytes")), Tensor.size, Tensor.dim, Tensor.numel, Tensor.nelement, Tensor.element_size,
+    Tensor.is_floating_point, Tensor.is_complex])
+
+
 class _HostShardParameter(nn.Parameter):
     """An offloaded unit's shard parameter (the master, between steps): ``.data``, read or set, makes the unit's
     copies for the device stale, as an in-place write's version bump does (a write through ``.data`` bumps none).
     The overlapped step reuses the copies it made (``restage_each_step`` off): a weight constraint written through
     ``.data`` in ``training_step``, before the forward, must reach that forward (WGAN's clipping). And any use of it
     (an op, ``.grad``, ``.data``) waits for the unit's step where that is still to come (host_step.py's
-    ``finish_in_forward``): a penalty over ``self.parameters()`` in ``training_step`` reads the stepped values."""
+    ``finish_in_forward``): a penalty over ``self.parameters()`` in ``training_step`` reads the stepped values. Not
+    what tells nothing of its values (``_METADATA``: its shape, dtype, ``requires_grad``): a step's start reads those
+    of every unit, and the forward would wait for the whole step there."""
 
     _host_shard: Callable[[], Optional["HostShard"]]
 
     @classmethod
     def __torch_function__(cls, func: Callable, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         storage = cls._host_shard()
-        if storage is not None and storage.await_step is not None:
+        if storage is not None and storage.await_step is not None and func not in _METADATA:
             storage.settle()
         with torch._C.DisableTorchFunctionSubclass():  # (as nn.Parameter: plain tensors out)
             return func(*args, **(kwargs or {}))
