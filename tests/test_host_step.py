@@ -92,15 +92,14 @@ def test_the_next_forward_begins_before_the_host_has_stepped_every_unit():
 
 
 def test_what_runs_between_steps_waits_for_the_host_steps_still_to_come():
-    # optimizer.step() returns with units still to step (finish_in_forward); with free_grads_after_step=False no
-    # zero_grad after it waits for them, and what Lightning runs before the next forward went on beside the worker:
-    # a tensor learning rate written in place by the per-step LR scheduler (fill_) was the one the units still to
-    # step used; ShardedEMA's update read the master shards before their step (not through the shard parameters)
+    # optimizer.step() returns with units still to step (finish_in_forward), and what Lightning runs before the next
+    # forward went on beside the worker: a tensor learning rate written in place by the per-step LR scheduler (fill_)
+    # was the one the units still to step used; ShardedEMA's update read the master shards before their step (not
+    # through the shard parameters)
     cases = {
         "a tensor lr decayed in place each step": {"optimizer": "slow adamw, a tensor lr decayed each step",
-                                                   "clip": None, "accumulate": 1, "free_grads_after_step": False},
-        "ShardedEMA": {"optimizer": "slow adamw", "clip": None, "accumulate": 1, "ema": True,
-                       "free_grads_after_step": False},
+                                                   "clip": None, "accumulate": 1},
+        "ShardedEMA": {"optimizer": "slow adamw", "clip": None, "accumulate": 1, "ema": True},
     }
     report = run_world(scenarios.overlapped_like_serial, 2, cases, timeout=600)[0]
     assert report == {name: "same" for name in cases}, report
