@@ -94,6 +94,22 @@ class GatedAdamW(SlowAdamW):
         return super().step(closure)
 
 
+class SkewedAdamW(torch.optim.AdamW):
+    """AdamW whose first two steps of the units in ``skewed`` take 0.5 s longer on rank 0 only (a host slower on one
+    rank than on another; the same numbers)."""
+
+    skewed: set = set()  # ids of those units' shard parameters (SyncedGPT's training step sets them)
+    delayed = [0]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        mine = self.param_groups[0]["params"]
+        if torch.distributed.get_rank() == 0 and self.delayed[0] < 2 and any(id(p) in self.skewed for p in mine):
+            self.delayed[0] += 1
+            time.sleep(0.5)
+        return super().step(closure)
+
+
 class GPT(L.LightningModule):
     """TinyGPT with AdamW (fused where none is chosen: the CPU's fused kernel when offloaded) or SGD with momentum;
     the loss of the micro-batches in ``nonfinite_at`` (epoch 0) is inf. ``in_step``: what the training step does
@@ -144,6 +160,8 @@ class GPT(L.LightningModule):
             return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
         if self.optimizer == "slow adamw":
             return SlowAdamW(self.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+        if self.optimizer == "skewed adamw":
+            return SkewedAdamW(self.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
         if self.optimizer == "gated adamw":
             return GatedAdamW(self.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
         if self.optimizer == "slow adamw, a tensor lr decayed each step":  # the scheduler writes the lr in place
@@ -182,6 +200,23 @@ class Critic(GPT):
         return loss
 
 
+class SyncedGPT(GPT):
+    """GPT whose blocks agree across ranks inside their forward (an all-reduce, as SyncBatchNorm's statistics or an
+    expert layer's all-to-all do), stepped by SkewedAdamW: rank 0's host is behind on the units after the first ones
+    the next forward gathers."""
+
+    def __init__(self, optimizer: str, nonfinite_at: tuple[int, ...] = (), in_step: tuple[str, ...] = ()) -> None:
+        super().__init__("skewed adamw", nonfinite_at, in_step)
+        for block in self.model.blocks:
+            block.register_forward_hook(lambda module, args, out: (torch.distributed.all_reduce(torch.ones(3)), out)[1])
+
+    def training_step(self, batch, batch_idx):
+        runtime = self.trainer.strategy.runtime
+        later = [u for u in runtime.order if u is not runtime.root_unit][runtime.schedule.prefetch:]
+        SkewedAdamW.skewed = {id(p) for u in later for p in u.storage.shard_params}
+        return super().training_step(batch, batch_idx)
+
+
 class ClipSchedule(Callback):
     """Sets ``Trainer.gradient_clip_val`` as each epoch starts (a clipping schedule)."""
 
@@ -203,8 +238,9 @@ def fit(rank: int, world: int, offload: Optional[str], overlap: bool, optimizer:
     module = module(optimizer, nonfinite_at, in_step)
     GatedAdamW.stepper, GatedAdamW.gated, GatedAdamW.opened = None, set(), []
     GatedAdamW.counts = {"gated": 0, "held": 0}
+    SkewedAdamW.skewed, SkewedAdamW.delayed = set(), [0]
     strategy = ShardStrategy(units=module.UNITS, offload=offload, offload_overlap=overlap, nonfinite=nonfinite,
-                             elementwise_optimizers=[FailingSGD, CountingSGD, SlowAdamW, GatedAdamW],
+                             elementwise_optimizers=[FailingSGD, CountingSGD, SlowAdamW, GatedAdamW, SkewedAdamW],
                              free_grads_after_step=free_grads_after_step)
     callbacks = [ModelCheckpoint(save_to, filename="{epoch}", save_top_k=-1)] if save_to is not None else []
     callbacks += [ClipSchedule(clip_by_epoch)] if clip_by_epoch is not None else []

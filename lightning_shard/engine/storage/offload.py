@@ -173,9 +173,6 @@ class HostShard(FlatShard):
         if waiting is not None:
             waiting()
 
-    def step_in_flight(self) -> bool:
-        return self.await_step is not None
-
     def stepped_late(self) -> None:
         """(The worker, under its lock.) Stepped and staged after the optimizer step's end: nothing waits, and no
         step's end is left to take the staging as its own."""
