@@ -160,6 +160,11 @@ class GPT(L.LightningModule):
             return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
         if self.optimizer == "slow adamw":
             return SlowAdamW(self.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+        if self.optimizer == "slow adamw, a step post-hook reading its state":  # (the second moments' sum, in norms)
+            optimizer = SlowAdamW(self.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+            optimizer.register_step_post_hook(lambda o, args, kwargs: self.norms.append(float(sum(
+                o.state[p]["exp_avg_sq"].double().sum() for g in o.param_groups for p in g["params"] if o.state[p]))))
+            return optimizer
         if self.optimizer == "skewed adamw":
             return SkewedAdamW(self.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
         if self.optimizer == "gated adamw":
@@ -390,6 +395,8 @@ def overlapped_like_serial(rank: int, world: int, cases: dict[str, dict]) -> dic
             report[name] = ("raised", serial["error"]) if same else (overlapped.get("error"), serial.get("error"))
         elif overlapped["losses"] != serial["losses"] or _differ(overlapped, serial):
             report[name] = _differ(overlapped, serial)[:3] or "losses"
+        elif overlapped["norms"] != serial["norms"]:
+            report[name] = "what the training step or a hook read (norms)"
         else:
             report[name] = "same" if overlapped["overlapped"] else "not overlapped"
     return report

@@ -111,6 +111,9 @@ def test_what_runs_between_steps_waits_for_the_host_steps_still_to_come():
         "a tensor lr decayed in place each step": {"optimizer": "slow adamw, a tensor lr decayed each step",
                                                    "clip": None, "accumulate": 1},
         "ShardedEMA": {"optimizer": "slow adamw", "clip": None, "accumulate": 1, "ema": True},
+        # a step post-hook runs as optimizer.step() returns: it read the optimizer's state before the units' steps
+        "a step post-hook reading the optimizer's state": {
+            "optimizer": "slow adamw, a step post-hook reading its state", "clip": None, "accumulate": 1},
     }
     report = run_world(scenarios.overlapped_like_serial, 2, cases, timeout=600)[0]
     assert report == {name: "same" for name in cases}, report
