@@ -84,7 +84,8 @@ class GatedAdamW(SlowAdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
-        gate, armed = GatedAdamW, getattr(GatedAdamW.stepper, "in_flight", None)
+        gate = GatedAdamW
+        armed = gate.stepper.deferred.in_flight if gate.stepper is not None else None
         mine = self.param_groups[0]["params"]
         if armed is not None and gate.counts["gated"] < 2 and any(id(p) in gate.gated for p in mine):
             with gate.cond:
@@ -140,7 +141,7 @@ class GPT(L.LightningModule):
             with GatedAdamW.cond:
                 GatedAdamW.stepper = runtime.host_stepper
                 GatedAdamW.gated = {id(p) for u in later for p in u.storage.shard_params}
-                GatedAdamW.opened.append(runtime.host_stepper.in_flight)
+                GatedAdamW.opened.append(runtime.host_stepper.deferred.in_flight)
                 GatedAdamW.cond.notify_all()
         if "norm" in self.in_step:  # (this rank's shards: compared with the same rank's in the other fit)
             with torch.no_grad():
@@ -260,7 +261,7 @@ def fit(rank: int, world: int, offload: Optional[str], overlap: bool, optimizer:
     stepper = runtime.host_stepper
     counts = {} if stepper is None else {
         "overlapped": stepper.overlapped_steps, "clipped": stepper.clipped_steps,
-        "speculative": stepper.speculative_units, "redone": stepper.redone_units, "deferred": stepper.deferred_units}
+        "speculative": stepper.speculative_units, "redone": stepper.redone_units, "deferred": stepper.deferred.deferred_units}
     return {"losses": module.losses, "norms": module.norms, "state": full_state_dict(runtime, rank0_only=False),
             "skipped": runtime.skipped_steps, "restage": runtime.restage_each_step, **counts, **GatedAdamW.counts}
 

@@ -43,7 +43,7 @@ def after_step(strategy: Any, optimizer: Optimizer) -> None:
     if strategy.frees_grads_after_step:  # as LightningModule.optimizer_zero_grad calls it (set_to_none: its default)
         stepper = strategy.runtime.host_stepper if strategy.runtime is not None else None
         if stepper is not None:  # offload: not waiting for the units still to step (finish_in_forward)
-            stepper.free_grads_after_step(optimizer)
+            stepper.deferred.free_grads_after_step(optimizer)
         else:
             optimizer.zero_grad()
     trainer: Optional[pl.Trainer] = getattr(strategy.lightning_module, "_trainer", None)
