@@ -6,7 +6,6 @@ one against the fit without offload, bit for bit too (test_offload.py's premise)
 from __future__ import annotations
 
 import math
-import threading
 import time
 from pathlib import Path
 from typing import Optional
@@ -73,44 +72,6 @@ class SlowAdamW(torch.optim.AdamW):
         return super().step(closure)
 
 
-class GatedAdamW(SlowAdamW):
-    """SlowAdamW whose first two steps of a unit still to step after ``optimizer.step()`` returned (finish_in_forward),
-    of the units the next forward gathers after those it prefetches at its start, wait until the next training step
-    has begun (GPT's "gate" in_step opens them): where the host waits for such a unit before the next forward, the
-    wait times out (5 s) and counts as ``held``."""
-
-    cond = threading.Condition()
-    stepper, gated, opened, counts = None, set(), [], {}  # (set by GPT's training step, reset by fit)
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        gate = GatedAdamW
-        armed = gate.stepper.deferred.in_flight if gate.stepper is not None else None
-        mine = self.param_groups[0]["params"]
-        if armed is not None and gate.counts["gated"] < 2 and any(id(p) in gate.gated for p in mine):
-            with gate.cond:
-                gate.counts["gated"] += 1
-                if not gate.cond.wait_for(lambda: any(a is armed for a in gate.opened), timeout=5):
-                    gate.counts["held"] += 1
-        return super().step(closure)
-
-
-class SkewedAdamW(torch.optim.AdamW):
-    """AdamW whose first two steps of the units in ``skewed`` take 0.5 s longer on rank 0 only (a host slower on one
-    rank than on another; the same numbers)."""
-
-    skewed: set = set()  # ids of those units' shard parameters (SyncedGPT's training step sets them)
-    delayed = [0]
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        mine = self.param_groups[0]["params"]
-        if torch.distributed.get_rank() == 0 and self.delayed[0] < 2 and any(id(p) in self.skewed for p in mine):
-            self.delayed[0] += 1
-            time.sleep(0.5)
-        return super().step(closure)
-
-
 class GPT(L.LightningModule):
     """TinyGPT with AdamW (fused where none is chosen: the CPU's fused kernel when offloaded) or SGD with momentum;
     the loss of the micro-batches in ``nonfinite_at`` (epoch 0) is inf. ``in_step``: what the training step does
@@ -120,6 +81,7 @@ class GPT(L.LightningModule):
     in their place)."""
 
     UNITS = ["Block"]
+    ELEMENTWISE: tuple = ()  # optimizer classes of a subclass's, stepped elementwise
 
     def __init__(self, optimizer: str, nonfinite_at: tuple[int, ...] = (), in_step: tuple[str, ...] = ()) -> None:
         super().__init__()
@@ -135,14 +97,6 @@ class GPT(L.LightningModule):
         if "clamp" in self.in_step:  # WGAN's weight clipping, before the critic's forward: no version counter sees it
             for param in self.parameters():
                 param.data.clamp_(-0.05, 0.05)
-        if "gate" in self.in_step:  # the units of the last step still stepping may step now (GatedAdamW)
-            runtime = self.trainer.strategy.runtime
-            later = [u for u in runtime.order if u is not runtime.root_unit][runtime.schedule.prefetch:]
-            with GatedAdamW.cond:
-                GatedAdamW.stepper = runtime.host_stepper
-                GatedAdamW.gated = {id(p) for u in later for p in u.storage.shard_params}
-                GatedAdamW.opened.append(runtime.host_stepper.deferred.in_flight)
-                GatedAdamW.cond.notify_all()
         if "norm" in self.in_step:  # (this rank's shards: compared with the same rank's in the other fit)
             with torch.no_grad():
                 self.norms.append(float(sum(p.double().square().sum() for p in self.parameters())))
@@ -166,10 +120,6 @@ class GPT(L.LightningModule):
             optimizer.register_step_post_hook(lambda o, args, kwargs: self.norms.append(float(sum(
                 o.state[p]["exp_avg_sq"].double().sum() for g in o.param_groups for p in g["params"] if o.state[p]))))
             return optimizer
-        if self.optimizer == "skewed adamw":
-            return SkewedAdamW(self.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
-        if self.optimizer == "gated adamw":
-            return GatedAdamW(self.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
         if self.optimizer == "slow adamw, a tensor lr decayed each step":  # the scheduler writes the lr in place
             optimizer = SlowAdamW(self.parameters(), lr=torch.tensor(1e-2), weight_decay=0.1, fused=True)
             schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
@@ -206,23 +156,6 @@ class Critic(GPT):
         return loss
 
 
-class SyncedGPT(GPT):
-    """GPT whose blocks agree across ranks inside their forward (an all-reduce, as SyncBatchNorm's statistics or an
-    expert layer's all-to-all do), stepped by SkewedAdamW: rank 0's host is behind on the units after the first ones
-    the next forward gathers."""
-
-    def __init__(self, optimizer: str, nonfinite_at: tuple[int, ...] = (), in_step: tuple[str, ...] = ()) -> None:
-        super().__init__("skewed adamw", nonfinite_at, in_step)
-        for block in self.model.blocks:
-            block.register_forward_hook(lambda module, args, out: (torch.distributed.all_reduce(torch.ones(3)), out)[1])
-
-    def training_step(self, batch, batch_idx):
-        runtime = self.trainer.strategy.runtime
-        later = [u for u in runtime.order if u is not runtime.root_unit][runtime.schedule.prefetch:]
-        SkewedAdamW.skewed = {id(p) for u in later for p in u.storage.shard_params}
-        return super().training_step(batch, batch_idx)
-
-
 class ClipSchedule(Callback):
     """Sets ``Trainer.gradient_clip_val`` as each epoch starts (a clipping schedule)."""
 
@@ -242,11 +175,8 @@ def fit(rank: int, world: int, offload: Optional[str], overlap: bool, optimizer:
 
     torch.manual_seed(0)
     module = module(optimizer, nonfinite_at, in_step)
-    GatedAdamW.stepper, GatedAdamW.gated, GatedAdamW.opened = None, set(), []
-    GatedAdamW.counts = {"gated": 0, "held": 0}
-    SkewedAdamW.skewed, SkewedAdamW.delayed = set(), [0]
     strategy = ShardStrategy(units=module.UNITS, offload=offload, offload_overlap=overlap, nonfinite=nonfinite,
-                             elementwise_optimizers=[FailingSGD, CountingSGD, SlowAdamW, GatedAdamW, SkewedAdamW],
+                             elementwise_optimizers=[FailingSGD, CountingSGD, SlowAdamW, *module.ELEMENTWISE],
                              free_grads_after_step=free_grads_after_step)
     callbacks = [ModelCheckpoint(save_to, filename="{epoch}", save_top_k=-1)] if save_to is not None else []
     callbacks += [ClipSchedule(clip_by_epoch)] if clip_by_epoch is not None else []
@@ -263,7 +193,7 @@ def fit(rank: int, world: int, offload: Optional[str], overlap: bool, optimizer:
         "overlapped": stepper.overlapped_steps, "clipped": stepper.clipped_steps,
         "speculative": stepper.speculative_units, "redone": stepper.redone_units, "deferred": stepper.deferred.deferred_units}
     return {"losses": module.losses, "norms": module.norms, "state": full_state_dict(runtime, rank0_only=False),
-            "skipped": runtime.skipped_steps, "restage": runtime.restage_each_step, **counts, **GatedAdamW.counts}
+            "skipped": runtime.skipped_steps, "restage": runtime.restage_each_step, **counts}
 
 
 def _differ(a: dict, b: dict) -> list[str]:
@@ -299,52 +229,6 @@ def overlapped_as_serial(rank: int, world: int, cases: list[dict], save_dir: str
             "weights": {name: _differ(overlapped, runs[name]) for name in ("serial", "plain", "params")},
         })
     return reports
-
-
-def collectives_of_the_worker(rank: int, world: int, case: dict) -> dict:
-    """The overlapped fit (fit options ``case``) of an optimizer whose ``step`` calls its parent's, which torch has
-    hooked (an AdamW built before in the process: torch wraps a class's ``step`` with the optimizer hooks at its first
-    instance): the collectives its host worker thread issued, and whether it gives the serial fit's numbers."""
-    import threading
-
-    import torch.distributed as dist
-
-    as_lightning_rank(rank, world)
-    torch.optim.AdamW([torch.zeros(1, requires_grad=True)])  # (AdamW.step hooked, as after any AdamW in the process)
-    off_main: list[str] = []
-    originals = {name: getattr(dist, name) for name in ("all_reduce", "all_gather_into_tensor", "broadcast")}
-
-    def watched(name):
-        def collective(*args, **kwargs):
-            if threading.current_thread() is not threading.main_thread():
-                off_main.append(name)
-            return originals[name](*args, **kwargs)
-        return collective
-
-    for name in originals:
-        setattr(dist, name, watched(name))
-    try:
-        overlapped = fit(rank, world, "optimizer", True, epochs=1, **case)
-        serial = fit(rank, world, "optimizer", False, epochs=1, **case)
-    finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
-    return {"off the main thread": sorted(set(off_main)), "overlapped": overlapped["overlapped"] > 0,
-            "same": overlapped["losses"] == serial["losses"] and not _differ(overlapped, serial)}
-
-
-def forward_behind_the_host(rank: int, world: int, cases: dict[str, dict]) -> dict[str, dict]:
-    """Per named case (fit options, with the gated optimizer): how many unit steps still to come after optimizer.step()
-    returned were held until the next training step began, and were held back by the host (GatedAdamW); whether the
-    fit gives the serial one's losses and parameters bit for bit."""
-    as_lightning_rank(rank, world)
-    report = {}
-    for name, case in cases.items():
-        overlapped = fit(rank, world, "optimizer", True, "gated adamw", epochs=1, **case)
-        serial = fit(rank, world, "optimizer", False, "gated adamw", epochs=1, **case)
-        report[name] = {"gated": overlapped["gated"], "held": overlapped["held"],
-                        "same": overlapped["losses"] == serial["losses"] and not _differ(overlapped, serial)}
-    return report
 
 
 class FrozenBase(GPT):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests import host_step_deferred_scenarios as deferred
 from tests import host_step_scenarios as scenarios
 from tests.world import run_world
 
@@ -84,10 +85,9 @@ def test_the_next_forward_begins_before_the_host_has_stepped_every_unit():
     # right after the step (free_grads_after_step), or else the step's start (it reads every unit's requires_grad),
     # and optimizer.step()'s own check of the gradients waited for every unit's step (the guard on the shard
     # parameters waits for any use of them): the steps were deferred, and waited for all the same
-    cases = {"gradients freed after the step": {"clip": None, "accumulate": 1, "in_step": ("gate",)},
-             "gradients kept, clipping": {"clip": 3.0, "accumulate": 1, "in_step": ("gate",),
-                                          "free_grads_after_step": False}}
-    report = run_world(scenarios.forward_behind_the_host, 2, cases, timeout=600)[0]
+    cases = {"gradients freed after the step": {"clip": None, "accumulate": 1},
+             "gradients kept, clipping": {"clip": 3.0, "accumulate": 1, "free_grads_after_step": False}}
+    report = run_world(deferred.forward_behind_the_host, 2, cases, timeout=600)[0]
     assert report == {name: {"gated": 2, "held": 0, "same": True} for name in cases}, report
 
 
@@ -97,7 +97,7 @@ def test_a_collective_inside_the_forward_meets_the_same_gathers_on_every_rank_be
     # in between (SyncBatchNorm's), each in its own order: a collective mismatch (gloo: "Received data size doesn't
     # match"; NCCL: a hang, or another collective's bytes where they have the same size)
     cases = {"an all-reduce in each block's forward": {"optimizer": "skewed adamw", "clip": None, "accumulate": 1,
-                                                      "module": scenarios.SyncedGPT}}
+                                                      "module": deferred.SyncedGPT}}
     report = run_world(scenarios.overlapped_like_serial, 2, cases, timeout=300, pg_timeout=30)[0]
     assert report == {name: "same" for name in cases}, report
 
@@ -126,7 +126,7 @@ def test_the_host_worker_issues_no_collective():
     # thread's collectives of the backward (and, behind optimizer.step(), of the next forward) on each rank: a
     # collective mismatch (gloo aborts the rank; NCCL hangs)
     case = {"optimizer": "slow adamw", "clip": None, "accumulate": 1, "nonfinite": "skip"}
-    report = run_world(scenarios.collectives_of_the_worker, 2, case, timeout=600)[0]
+    report = run_world(deferred.collectives_of_the_worker, 2, case, timeout=600)[0]
     assert report == {"off the main thread": [], "overlapped": True, "same": True}, report
 
 
