@@ -70,6 +70,7 @@ class GPT(L.LightningModule):
     in their place)."""
 
     UNITS = ["Block"]
+    ELEMENTWISE: tuple = ()  # optimizer classes of a subclass's, stepped elementwise
 
     def __init__(self, optimizer: str, nonfinite_at: tuple[int, ...] = (), in_step: tuple[str, ...] = ()) -> None:
         super().__init__()
@@ -103,6 +104,15 @@ class GPT(L.LightningModule):
             return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
         if self.optimizer == "slow adamw":
             return SlowAdamW(self.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+        if self.optimizer == "slow adamw, a step post-hook reading its state":  # (the second moments' sum, in norms)
+            optimizer = SlowAdamW(self.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+            optimizer.register_step_post_hook(lambda o, args, kwargs: self.norms.append(float(sum(
+                o.state[p]["exp_avg_sq"].double().sum() for g in o.param_groups for p in g["params"] if o.state[p]))))
+            return optimizer
+        if self.optimizer == "slow adamw, a tensor lr decayed each step":  # the scheduler writes the lr in place
+            optimizer = SlowAdamW(self.parameters(), lr=torch.tensor(1e-2), weight_decay=0.1, fused=True)
+            schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
         decay = [p for p in self.parameters() if p.ndim >= 2]
         rest = [p for p in self.parameters() if p.ndim < 2]
         optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
@@ -148,15 +158,18 @@ class ClipSchedule(Callback):
 def fit(rank: int, world: int, offload: Optional[str], overlap: bool, optimizer: str, clip: Optional[float],
         accumulate: int, epochs: int, nonfinite_at: tuple[int, ...] = (), save_to: Optional[Path] = None,
         resume_from: Optional[Path] = None, module: type = GPT, in_step: tuple[str, ...] = (),
-        clip_by_epoch: Optional[tuple[Optional[float], ...]] = None, nonfinite: Optional[str] = "skip") -> dict:
-    from lightning_shard import ShardStrategy
+        clip_by_epoch: Optional[tuple[Optional[float], ...]] = None, nonfinite: Optional[str] = "skip",
+        ema: bool = False, free_grads_after_step: bool = True) -> dict:
+    from lightning_shard import ShardedEMA, ShardStrategy
 
     torch.manual_seed(0)
     module = module(optimizer, nonfinite_at, in_step)
     strategy = ShardStrategy(units=module.UNITS, offload=offload, offload_overlap=overlap, nonfinite=nonfinite,
-                             elementwise_optimizers=[FailingSGD, CountingSGD, SlowAdamW])
+                             elementwise_optimizers=[FailingSGD, CountingSGD, SlowAdamW, *module.ELEMENTWISE],
+                             free_grads_after_step=free_grads_after_step)
     callbacks = [ModelCheckpoint(save_to, filename="{epoch}", save_top_k=-1)] if save_to is not None else []
     callbacks += [ClipSchedule(clip_by_epoch)] if clip_by_epoch is not None else []
+    callbacks += [ShardedEMA(decay=0.9)] if ema else []  # (its update reads the master shards after each step)
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_epochs=epochs, logger=False,
                         precision="bf16-mixed", accumulate_grad_batches=accumulate, gradient_clip_val=clip,
                         callbacks=callbacks, use_distributed_sampler=False, enable_checkpointing=save_to is not None,
@@ -167,7 +180,7 @@ def fit(rank: int, world: int, offload: Optional[str], overlap: bool, optimizer:
     stepper = runtime.host_stepper
     counts = {} if stepper is None else {
         "overlapped": stepper.overlapped_steps, "clipped": stepper.clipped_steps,
-        "speculative": stepper.speculative_units, "redone": stepper.redone_units, "deferred": stepper.deferred_units}
+        "speculative": stepper.speculative_units, "redone": stepper.redone_units, "deferred": stepper.deferred.deferred_units}
     return {"losses": module.losses, "norms": module.norms, "state": full_state_dict(runtime, rank0_only=False),
             "skipped": runtime.skipped_steps, "restage": runtime.restage_each_step, **counts}
 
@@ -256,6 +269,8 @@ def overlapped_like_serial(rank: int, world: int, cases: dict[str, dict]) -> dic
             report[name] = ("raised", serial["error"]) if same else (overlapped.get("error"), serial.get("error"))
         elif overlapped["losses"] != serial["losses"] or _differ(overlapped, serial):
             report[name] = _differ(overlapped, serial)[:3] or "losses"
+        elif overlapped["norms"] != serial["norms"]:
+            report[name] = "what the training step or a hook read (norms)"
         else:
             report[name] = "same" if overlapped["overlapped"] else "not overlapped"
     return report

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests import host_step_deferred_scenarios as deferred
 from tests import host_step_scenarios as scenarios
 from tests.world import run_world
 
@@ -79,6 +80,56 @@ def test_what_the_user_does_before_the_backward_overlaps_as_it_steps_serially():
                       "optimizer raising": ("raised", "ValueError: the user's optimizer failed")}, report
 
 
+def test_the_next_forward_begins_before_the_host_has_stepped_every_unit():
+    # finish_in_forward did not let the next forward run behind the worker under Lightning: the strategy's zero_grad
+    # right after the step (free_grads_after_step), or else the step's start (it reads every unit's requires_grad),
+    # and optimizer.step()'s own check of the gradients waited for every unit's step (the guard on the shard
+    # parameters waits for any use of them): the steps were deferred, and waited for all the same
+    cases = {"gradients freed after the step": {"clip": None, "accumulate": 1},
+             "gradients kept, clipping": {"clip": 3.0, "accumulate": 1, "free_grads_after_step": False}}
+    report = run_world(deferred.forward_behind_the_host, 2, cases, timeout=600)[0]
+    assert report == {name: {"gated": 2, "held": 0, "same": True} for name in cases}, report
+
+
+def test_a_collective_inside_the_forward_meets_the_same_gathers_on_every_rank_behind_the_host():
+    # a prefetch skipped the unit whose step was still to come on this rank (its own gather waited for it): where the
+    # host was behind on one rank only, the ranks all-gathered that unit before and after a collective of the forward
+    # in between (SyncBatchNorm's), each in its own order: a collective mismatch (gloo: "Received data size doesn't
+    # match"; NCCL: a hang, or another collective's bytes where they have the same size)
+    cases = {"an all-reduce in each block's forward": {"optimizer": "skewed adamw", "clip": None, "accumulate": 1,
+                                                      "module": deferred.SyncedGPT}}
+    report = run_world(scenarios.overlapped_like_serial, 2, cases, timeout=300, pg_timeout=30)[0]
+    assert report == {name: "same" for name in cases}, report
+
+
+def test_what_runs_between_steps_waits_for_the_host_steps_still_to_come():
+    # optimizer.step() returns with units still to step (finish_in_forward), and what Lightning runs before the next
+    # forward went on beside the worker: a tensor learning rate written in place by the per-step LR scheduler (fill_)
+    # was the one the units still to step used; ShardedEMA's update read the master shards before their step (not
+    # through the shard parameters)
+    cases = {
+        "a tensor lr decayed in place each step": {"optimizer": "slow adamw, a tensor lr decayed each step",
+                                                   "clip": None, "accumulate": 1},
+        "ShardedEMA": {"optimizer": "slow adamw", "clip": None, "accumulate": 1, "ema": True},
+        # a step post-hook runs as optimizer.step() returns: it read the optimizer's state before the units' steps
+        "a step post-hook reading the optimizer's state": {
+            "optimizer": "slow adamw, a step post-hook reading its state", "clip": None, "accumulate": 1},
+    }
+    report = run_world(scenarios.overlapped_like_serial, 2, cases, timeout=600)[0]
+    assert report == {name: "same" for name in cases}, report
+
+
+def test_the_host_worker_issues_no_collective():
+    # SlowAdamW's step calls AdamW's, which torch wraps with the optimizer hooks once any AdamW was built in the
+    # process: the engine's global step pre-hook ran inside the worker's step of each unit, and with nonfinite set it
+    # agreed on the gradients' finiteness (an all-reduce) from the worker thread, in whatever order it met the main
+    # thread's collectives of the backward (and, behind optimizer.step(), of the next forward) on each rank: a
+    # collective mismatch (gloo aborts the rank; NCCL hangs)
+    case = {"optimizer": "slow adamw", "clip": None, "accumulate": 1, "nonfinite": "skip"}
+    report = run_world(deferred.collectives_of_the_worker, 2, case, timeout=600)[0]
+    assert report == {"off the main thread": [], "overlapped": True, "same": True}, report
+
+
 def test_an_optimizer_keeping_state_outside_its_parameters_is_refused_by_the_overlapped_step():
     # stepped unit by unit, a step count kept in the param group (timm's Adan) or in optimizer.state["k"] (MADGRAD's)
     # was counted once per unit, or not at all: silently other numbers than the serial step's
@@ -112,6 +163,35 @@ def test_the_worker_steps_while_a_gradient_is_still_on_its_way():
     threading.Timer(0.5, arrived.set).start()
     worker.wait()
     assert done.index("step 3") < done.index("land 2") and done[-1] == "land 4", done
+
+
+def test_a_step_error_of_the_worker_is_raised_where_that_step_is_waited_for():
+    # a unit's step failing on the worker raised at whichever wait came next, which depends on when it failed: the end
+    # of backward's wait for the landings on one rank, optimizer.step() or the next forward's gather of a unit stepped
+    # before it on another, each followed by different collectives (a hang); and what was queued after it ran once
+    # the error had been raised
+    import threading
+
+    import torch
+
+    from lightning_shard.engine.optim.host_worker import HostWorker
+
+    worker, done, failed = HostWorker(torch.device("cpu")), [], threading.Event()
+
+    def fail() -> None:
+        failed.set()
+        raise ValueError("the step of unit 2 failed")
+
+    worker.submit(lambda: done.append(1), key=1)
+    worker.submit(fail, key=2)
+    worker.submit(lambda: done.append(3), key=3)
+    worker.submit(lambda: done.append("landing"), ready=failed.is_set)  # (held back until the step failed)
+    worker.wait(lands_only=True)  # the end of backward: a step's error is not raised here
+    worker.wait_for(lambda: 1 in done)  # stepped before the failure: nothing to raise
+    with pytest.raises(ValueError, match="unit 2 failed"):
+        worker.wait_for(lambda: 3 in done)
+    worker.wait()
+    assert done == [1], done  # what was queued after the failure was dropped
 
 
 @pytest.mark.parametrize("offload", ["optimizer", "params"])

@@ -40,8 +40,12 @@ def frees_grads_after_step(trainer: "pl.Trainer", asked: bool) -> bool:
 
 def after_step(strategy: Any, optimizer: Optimizer) -> None:
     """``optimizer`` (the raw one) has stepped: free its gradients if setup allowed it, and log the step's figures."""
-    if strategy.frees_grads_after_step:
-        optimizer.zero_grad()  # as LightningModule.optimizer_zero_grad calls it (set_to_none: the optimizer's default)
+    if strategy.frees_grads_after_step:  # as LightningModule.optimizer_zero_grad calls it (set_to_none: its default)
+        stepper = strategy.runtime.host_stepper if strategy.runtime is not None else None
+        if stepper is not None:  # offload: not waiting for the units still to step (finish_in_forward)
+            stepper.deferred.free_grads_after_step(optimizer)
+        else:
+            optimizer.zero_grad()
     trainer: Optional[pl.Trainer] = getattr(strategy.lightning_module, "_trainer", None)
     if trainer is not None:
         warn_if_shard_norms_logged(strategy, trainer)

@@ -19,16 +19,13 @@ After the decision the remaining units are stepped with no backup, in the order 
 ``optimizer.step()`` (:meth:`commit`) checks that nothing the steps read has changed since (the gradients, the param
 groups, their hyperparameters): a change raises, never a silently different step. It waits for the worker, or, armed
 with ``finish_in_forward``, returns with steps still to come: each unit's next gather waits for its own step (so the
-next forward runs behind the worker, not after it), and so does anything else that reads a unit's shard parameters (a
-guard on them: offload.py); what reads the optimizer's state or every unit (checkpoints, the next arming, the next
-step) waits for them all (:meth:`finish`).
+next forward runs behind the worker, not after it), and what reads the optimizer's state or every unit waits for them
+all (host_step_deferred.py).
 
 """
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -36,10 +33,13 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.optim.optimizer import _global_optimizer_pre_hooks
 
+from lightning_shard.engine.optim.host_step_deferred import DeferredSteps
 from lightning_shard.engine.optim.host_step_state import (
+    Arming,
     Backup,
     changed_since,
     copy_state,
+    group_options,
     outside_params,
     written_outside,
 )
@@ -50,31 +50,6 @@ from lightning_shard.engine.optim.step_watch import StepWatch
 from lightning_shard.engine.storage.unit import Unit
 
 SPECULATIVE_SHARE = 0.5  # at most this share of the optimizer's elements stepped before the decision (backed up)
-
-
-@dataclass(eq=False)
-class _Arming:
-    """One armed backward: the optimizer, its groups' options as the steps use them, each unit's parameters."""
-
-    step: Any  # the optimizer's ShardedStep
-    clip: Optional[tuple[float, float]]  # (max_norm, norm_type) that clipping will be asked for, or None
-    decides: bool  # clipping or the non-finite check: steps before the end of backward are speculative
-    options: list[dict]  # each group's options (not its parameters) at arming: what the steps must still see
-    shadow: list[dict]  # the groups as the steps run them (fused chosen where the step would choose it)
-    key: tuple  # the optimizer's parameters at arming
-    params: dict[int, list[list[nn.Parameter]]]  # unit index -> per group, the unit's parameters in it
-    budget: int  # elements that may still be stepped speculatively
-    defer: bool = False  # optimizer.step() may return before every unit is stepped (finish_in_forward)
-    queued: set[int] = field(default_factory=set)  # units given to the worker to step
-    stepped: dict[int, list[tuple[nn.Parameter, Optional[Tensor], int]]] = field(default_factory=dict)
-    backups: dict[int, Backup] = field(default_factory=dict)
-    decided: bool = False
-    clip_asked: bool = False  # the clipping armed for was asked for (clipped())
-    landings: int = 0  # gradients taken to land in .grad
-    clip_total: Optional[Tensor] = None  # the norm the decision found (what the clipping call returns)
-    done: set[int] = field(default_factory=set)  # units whose step is over (the worker's lock)
-    pending: set[int] = field(default_factory=set)  # units still to step after optimizer.step() returned (the lock)
-    pending_at_commit: frozenset[int] = frozenset()  # those as it returned: their copies are the worker's to make
 
 
 class HostStepper:
@@ -88,14 +63,13 @@ class HostStepper:
         self.device = units[0].storage.device if units else torch.device("cpu")
         self._worker = HostWorker(self.device)
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self.armed: Optional[_Arming] = None
-        self.in_flight: Optional[_Arming] = None  # an arming whose optimizer.step() returned with units to step
+        self.armed: Optional[Arming] = None
+        self.deferred = DeferredSteps(self._worker, units)  # the units still to step after optimizer.step() returned
         self.speculate = True  # the last decision changed nothing: steps before the next one are likely to stand
         self.backup_bytes = self.peak_backup_bytes = 0  # host memory held by backups (now, and its high-water mark)
         # what it did, for tests and benchmarks: optimizer steps taken this way, of them those clipping changed; unit
         # steps taken speculatively (backed up), and of those undone by a decision
         self.overlapped_steps = self.clipped_steps = self.speculative_units = self.redone_units = 0
-        self.deferred_units = 0  # unit steps finished after their optimizer.step() returned
 
     # -- arming (the host, before the backward) -----------------------------------------------------
     def arm(self, step: Any, clip: Optional[tuple[float, float]], decides: bool, finish_in_forward: bool = False) -> bool:
@@ -120,14 +94,14 @@ class HostStepper:
                 if where is None:
                     return False
                 params.setdefault(where[0], [[] for _ in groups])[g].append(param)
-        options = [{k: v for k, v in group.items() if k != "params"} for group in groups]
+        options = [group_options(group) for group in groups]
         if step.fused is not None:
             with step.fused():  # torch's fused kernel where the sharded step would choose it (fused_default.py)
-                shadow = [{k: v for k, v in group.items() if k != "params"} for group in groups]
+                shadow = [group_options(group) for group in groups]
         else:
-            shadow = [dict(o) for o in options]
+            shadow = [group_options(group) for group in groups]  # (their own copies: a step may not write options)
         total = sum(p.numel() for per_group in params.values() for ps in per_group for p in ps)
-        self.armed = _Arming(step, clip, decides, options, shadow, params_key(optimizer), params,
+        self.armed = Arming(step, clip, decides, options, shadow, params_key(optimizer), params,
                              budget=int(total * SPECULATIVE_SHARE) if decides and self.speculate else 0,
                              defer=finish_in_forward)
         return True
@@ -259,27 +233,22 @@ class HostStepper:
             self.disarm()
             return False
         try:
-            if armed.defer:
-                self._worker.raise_error()
-            else:
+            if not armed.defer:  # (deferred: an error of a step, raised where that unit's step is waited for)
                 self._worker.wait()
             with self._worker.lock:
-                armed.pending = set(armed.queued) - armed.done
-                armed.pending_at_commit = frozenset(armed.pending)
-                for index in armed.pending:
-                    self._by_index[index].storage.await_step = functools.partial(self._await_unit, index)
-                if armed.pending:
-                    self.in_flight = armed
-                started = list(armed.stepped)  # (reading a gradient of one stepping now waits for its step)
-            # the units not started step with the gradients there now: those started, with those there before
-            problem = changed_since(armed.step, armed.clip if not armed.clip_asked else None, armed.key,
-                                    armed.options, [armed.stepped[i] for i in started])
+                self.deferred.begin(armed)  # (not deferred: none left)
+                started = list(armed.stepped)
+            # the units not started step with the gradients there now: those started, with those there before (looked
+            # at without waiting for the one stepping now: its step reads the gradients and writes none of them)
+            with torch._C.DisableTorchFunctionSubclass():
+                problem = changed_since(armed.step, armed.clip if not armed.clip_asked else None, armed.key,
+                                        armed.options, [armed.stepped[i] for i in started])
         except BaseException:
-            self._stop_waiting()
+            self.deferred.stop_waiting()
             self.cancel()
             raise
         if problem is not None:
-            self._stop_waiting()
+            self.deferred.stop_waiting()
             lost = self.cancel()
             raise RuntimeError(
                 f"lightning_shard: {problem} between the backward and the optimizer step, after the overlapped host"
@@ -293,47 +262,12 @@ class HostStepper:
 
     def finish(self) -> None:
         """Wait for the units still to step after ``optimizer.step()`` returned (``finish_in_forward``); raises the
-        worker's error. (What those steps read cannot change before them: reading or writing a unit's shard
-        parameters, their gradients included, waits for its step.)"""
-        armed, self.in_flight = self.in_flight, None
-        if armed is None:
-            return
-        try:
-            self._worker.wait()
-        finally:
-            self._release(armed)
-            self._drop_backups(armed)
+        worker's error (host_step_deferred.py)."""
+        self.deferred.finish()
 
-    def restages(self, unit: Unit) -> bool:
-        """Whether ``unit``'s step was still to come as ``optimizer.step()`` returned: the worker makes its copies."""
-        armed = self.in_flight
-        return armed is not None and self._position[id(unit)] in armed.pending_at_commit
-
-    def _await_unit(self, index: int) -> None:
-        """Something other than the worker reads or writes unit ``index``'s shard: its step first."""
-        armed = self.in_flight
-        if armed is None or self._worker.on_worker():
-            return
-        try:
-            self._worker.wait_for(lambda: index not in armed.pending)
-            if index in armed.pending:  # nothing left to run it: dropped after an error raised before
-                raise RuntimeError(f"lightning_shard: offload's overlapped step of unit {self._by_index[index].name!r}"
-                                   " did not run (an earlier error of the step's); resume from a checkpoint.")
-        except BaseException:
-            self._stop_waiting()
-            raise
-
-    def _stop_waiting(self) -> None:
-        armed, self.in_flight = self.in_flight, None
-        if armed is not None:
-            self._release(armed)
-
-    def _release(self, armed: _Arming) -> None:
-        """Nothing waits for ``armed``'s units any more (all stepped, or an error raised)."""
-        with self._worker.lock:
-            for index in armed.pending:
-                self._by_index[index].storage.await_step = None
-            armed.pending.clear()
+    def on_worker(self) -> bool:
+        """Whether the caller runs on the worker's thread (inside a unit's step)."""
+        return self._worker.on_worker()
 
     def cancel(self) -> list[str]:
         """Drop the arming: what was stepped speculatively is undone. Returns the units stepped without a backup,
@@ -366,20 +300,17 @@ class HostStepper:
                 " checkpoint, or set offload_overlap=False to recover from failed backwards.")
 
     # -- the worker's side --------------------------------------------------------------------------
-    def _queue(self, armed: _Arming, index: int, backup: bool = False) -> None:
+    def _queue(self, armed: Arming, index: int, backup: bool = False) -> None:
         armed.queued.add(index)
         self._worker.submit(lambda: self._step_unit(armed, index, backup), key=index)
 
-    def _step_unit(self, armed: _Arming, index: int, backup: bool) -> None:
+    def _step_unit(self, armed: Arming, index: int, backup: bool) -> None:
         self._step_params(armed, index, backup)
         with self._worker.lock:
             armed.done.add(index)
-            if index in armed.pending:  # after optimizer.step() returned: its end left this unit's copies alone
-                armed.pending.discard(index)
-                self._by_index[index].storage.stepped_late()
-                self.deferred_units += 1
+            self.deferred.stepped(armed, index)
 
-    def _step_params(self, armed: _Arming, index: int, backup: bool) -> None:
+    def _step_params(self, armed: Arming, index: int, backup: bool) -> None:
         optimizer = armed.step.optimizer
         unit = self._by_index[index]
         per_group = armed.params[index]
@@ -412,7 +343,7 @@ class HostStepper:
                 " gradients as they are), or set offload_overlap=False.")
         unit.storage.stage_after_step(self._copy_stream)
 
-    def _undo_speculation(self, armed: _Arming) -> None:
+    def _undo_speculation(self, armed: Arming) -> None:
         """Put back what the backed-up steps changed (the worker paused): those units are stepped again after the
         decision, and so are the speculative steps that had not started (taken off the worker's queue)."""
         optimizer = armed.step.optimizer
@@ -433,7 +364,7 @@ class HostStepper:
         armed.queued &= set(armed.stepped)
         armed.budget = 0
 
-    def _drop_backups(self, armed: _Arming) -> None:
+    def _drop_backups(self, armed: Arming) -> None:
         with self._worker.lock:
             for saved in armed.backups.values():
                 self.backup_bytes -= saved.nbytes

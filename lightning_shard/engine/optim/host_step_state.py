@@ -1,5 +1,6 @@
-"""What one unit's step by offload's overlapped step (host_step.py) reads and writes besides its parameters: the backup
-of its master shard and optimizer state taken before a speculative step, and what the optimizer wrote elsewhere.
+"""The state of offload's overlapped step (host_step.py): one armed backward (:class:`Arming`), and what one unit's step
+reads and writes besides its parameters: the backup of its master shard and optimizer state taken before a speculative
+step, and what the optimizer wrote elsewhere.
 
 The overlapped step runs the user's optimizer once per unit, on that unit's parameters alone: the same numbers as
 one call over every parameter only where the optimizer keeps all its state under its parameters
@@ -10,7 +11,7 @@ after clipping: :func:`written_outside` finds the former (host_step.py the latte
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -32,10 +33,52 @@ class Backup:
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
+@dataclass(eq=False)
+class Arming:
+    """One armed backward (host_step.py): the optimizer, its groups' options as the steps use them, each unit's
+    parameters, and how far the worker got."""
+
+    step: Any  # the optimizer's ShardedStep
+    clip: Optional[tuple[float, float]]  # (max_norm, norm_type) that clipping will be asked for, or None
+    decides: bool  # clipping or the non-finite check: steps before the end of backward are speculative
+    options: list[dict]  # each group's options (not its parameters) at arming: what the steps must still see
+    shadow: list[dict]  # the groups as the steps run them (fused chosen where the step would choose it)
+    key: tuple  # the optimizer's parameters at arming
+    params: dict[int, list[list[nn.Parameter]]]  # unit index -> per group, the unit's parameters in it
+    budget: int  # elements that may still be stepped speculatively
+    defer: bool = False  # optimizer.step() may return before every unit is stepped (finish_in_forward)
+    queued: set[int] = field(default_factory=set)  # units given to the worker to step
+    stepped: dict[int, list[tuple[nn.Parameter, Optional[Tensor], int]]] = field(default_factory=dict)
+    backups: dict[int, Backup] = field(default_factory=dict)
+    decided: bool = False
+    clip_asked: bool = False  # the clipping armed for was asked for (clipped())
+    landings: int = 0  # gradients taken to land in .grad
+    clip_total: Optional[Tensor] = None  # the norm the decision found (what the clipping call returns)
+    done: set[int] = field(default_factory=set)  # units whose step is over (the worker's lock)
+    pending: set[int] = field(default_factory=set)  # units still to step after optimizer.step() returned (the lock)
+    pending_at_commit: frozenset[int] = frozenset()  # those as it returned: their copies are the worker's to make
+    free_grads: bool = False  # the gradients are freed after the step: the worker frees those of the units in pending
+
+
 def copy_state(state: Optional[dict]) -> Optional[dict]:
     if not state:
         return None
     return {k: v.clone() if isinstance(v, Tensor) else v for k, v in state.items()}
+
+
+def group_options(group: dict) -> dict:
+    """A param group's options (not its parameters) as they are now: a tensor among them copied (an LR scheduler writes
+    a tensor learning rate in place, ``fill_``, right after ``optimizer.step()``: a unit's step still to come then
+    must not see it, nor a check see an in-place change as no change)."""
+    return {k: _copied(v) for k, v in group.items() if k != "params"}
+
+
+def _copied(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.clone()
+    if isinstance(value, (tuple, list)) and any(isinstance(v, Tensor) for v in value):
+        return type(value)(_copied(v) for v in value)  # (Adam's betas as tensors)
+    return value
 
 
 def outside_params(state: dict) -> dict:

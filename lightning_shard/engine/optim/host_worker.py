@@ -4,6 +4,11 @@ of backward waits for those); one still on its way only when there is no step to
 would hold every step back until the whole backward had landed). The steps not started may be put in another order
 (:meth:`HostWorker.reorder`: the one the next forward needs them in).
 
+An error drops what was queued, and is raised on the host's thread where a rank's code reaches the same point on
+every rank whenever the worker failed: a step's error where that unit's step is waited for (:meth:`wait_for`), or at
+the end of the step (:meth:`wait`), not at the end of backward's wait for the landings, which may come before or after
+the step failed. (Ranks raising at different points would meet each other's collectives: a hang.)
+
 One thread: torch's CPU kernels (the fused AdamW) spread each tensor over the host's cores themselves; a second thread
 would only contend for the same memory bandwidth, which is what bounds the step. On a GPU machine it spreads them over
 all the host's cores but two (:func:`host_step_threads`), left to the threads that launch the device's work (the
@@ -32,6 +37,7 @@ class HostWorker:
         self._busy = False
         self._paused = False
         self._error: Optional[BaseException] = None
+        self._error_landing = False  # the error came from a landing (else a step)
         self._thread: Optional[threading.Thread] = None
         self._started = threading.Event()  # the thread chose its CPU threads (torch's count is per thread once set)
 
@@ -50,12 +56,13 @@ class HostWorker:
                 self._lands.append((work, ready))
             self._cond.notify_all()
 
-    def _next(self) -> Callable[[], None]:
-        """(Under the lock, something to do.) Landings arrive in order: the first one tells."""
+    def _next(self) -> tuple[Callable[[], None], bool]:
+        """(Under the lock, something to do: it, and whether it is a landing.) Landings arrive in order: the first one
+        tells."""
         steps = self._steps and not self._paused
         if self._lands and (not steps or _arrived(self._lands[0][1])):
-            return self._lands.popleft()[0]
-        return self._steps.popleft()[1]
+            return self._lands.popleft()[0], True
+        return self._steps.popleft()[1], False
 
     def _run(self) -> None:
         try:
@@ -72,14 +79,17 @@ class HostWorker:
             with self._cond:
                 while not (self._lands or (self._steps and not self._paused)):
                     self._cond.wait()
-                work = self._next()
+                work, landing = self._next()
                 self._busy = True
             try:
                 if self._error is None:  # after an error, what was queued is dropped (raised at the next wait)
                     with torch.no_grad():
                         work()
             except BaseException as err:  # noqa: BLE001 - re-raised on the host's thread
-                self._error = err
+                with self._cond:
+                    self._error, self._error_landing = err, landing
+                    self._lands.clear()
+                    self._steps.clear()
             finally:
                 with self._cond:
                     self._busy = False
@@ -91,14 +101,18 @@ class HostWorker:
         with self._cond:
             while self._lands or self._busy or (not lands_only and self._steps and not self._paused):
                 self._cond.wait()
+            if lands_only and not self._error_landing:
+                return  # (a step's error: raised where that step is waited for)
         self.raise_error()
 
     def wait_for(self, done: Callable[[], bool]) -> None:
         """Until ``done()`` (asked under :attr:`lock`, which the work marks what it did under), or until nothing is
-        left to run, or the worker failed: its error raised here."""
+        left to run, or the worker failed before it was done: its error raised here."""
         with self._cond:
             while not done() and self._error is None and (self._busy or self._lands or (self._steps and not self._paused)):
                 self._cond.wait()
+            if done():
+                return
         self.raise_error()
 
     @property

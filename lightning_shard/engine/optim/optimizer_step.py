@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
+from torch.optim.optimizer import _global_optimizer_post_hooks
 
 from lightning_shard.engine.comm import collectives
 from lightning_shard.engine.comm.collectives import CommStats, Pending
@@ -138,7 +139,9 @@ class ShardedStep:
         """``kwargs``: what the caller gave ``step`` besides the closure, for every group's step."""
         self.agree_on_groups()
         if self.host_stepper is not None and self.host_stepper.armed_for(self) and self.host_stepper.commit():
-            return  # stepped unit by unit during backward
+            if self.optimizer._optimizer_step_post_hooks or _global_optimizer_post_hooks:
+                self.host_stepper.finish()  # (they run as step() returns, and may read the optimizer's state)
+            return  # stepped unit by unit during backward (and after, finish_in_forward)
         with self.fused() if self.fused is not None else nullcontext():
             self._step_buckets(optimizer, functools.partial(_raw_step(optimizer), **kwargs))
 

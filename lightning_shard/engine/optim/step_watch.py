@@ -47,6 +47,11 @@ class StepWatch:
         runtime = self._runtime()
         if runtime is None or not self._steps_ours(optimizer):
             return None
+        if runtime.host_stepper is not None and runtime.host_stepper.on_worker():
+            # offload's overlapped step of one unit, whose optimizer's step calls its parent class's (torch hooks each
+            # class's step): the sharded step ran this once for the whole step, on the host's thread; here it would
+            # agree on the gradients (a collective) from the worker's thread, in any order with the host's
+            return None
         if self._sharded:
             _refuse_plain_grad_scaler(optimizer)
         for unit in runtime.units:  # what code wrote into gathered copies (a constraint inside a step): stepped on

@@ -156,7 +156,7 @@ class ShardRuntime(StepScope, HeldUnits, ModelEntries, RuntimeOptimizers, Runtim
         stale, and the units held gathered are gathered again."""
         stepper = self.host_stepper
         for unit in self.units:
-            if stepped and stepper is not None and stepper.restages(unit):
+            if stepped and stepper is not None and stepper.deferred.restages(unit):
                 continue  # its step is still to come (finish_in_forward), and makes its copies itself
             if not stepped or any(p.grad is not None for p in unit.storage.shard_params):
                 unit.storage.shards_changed()

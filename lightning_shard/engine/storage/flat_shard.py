@@ -29,11 +29,6 @@ from lightning_shard.engine.storage.unsharded_grads import UnshardedGrads
 
 class FlatShard:
     offloaded = False  # the master shard in host memory, stepped there (engine/storage/offload.py)
-
-    @staticmethod
-    def step_in_flight() -> bool:
-        """Whether offload's step of this unit is still to come (engine/storage/offload.py)."""
-        return False
     shard_parameter: type = nn.Parameter  # the class of the shard parameters
 
     def __init__(

@@ -78,23 +78,35 @@ class _Landed:
             self._event = None
 
 
+# what tells nothing of a parameter's values (nor changes them): answered at once, its unit's step still to come or not
+# (a step's start reads every unit's requires_grad before the forward; the step changes none of these)
+_METADATA = frozenset([*(getattr(Tensor, name).__get__ for name in (
+    "requires_grad", "shape", "dtype", "device", "is_leaf", "ndim", "layout", "is_sparse", "is_cuda", "is_meta",
+    "grad_fn", "itemsize", "nbytes")), Tensor.size, Tensor.dim, Tensor.numel, Tensor.nelement, Tensor.element_size,
+    Tensor.is_floating_point, Tensor.is_complex])
+
+
+def _after_the_step(cls: type, func: Callable, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+    """The shard parameters' ``__torch_function__`` while their unit's step is still to come: any use waits for it."""
+    storage = cls._host_shard()
+    if storage is not None and storage.await_step is not None and func not in _METADATA:
+        storage.settle()
+    with torch._C.DisableTorchFunctionSubclass():  # (as nn.Parameter: plain tensors out)
+        return func(*args, **(kwargs or {}))
+
+
 class _HostShardParameter(nn.Parameter):
     """An offloaded unit's shard parameter (the master, between steps): ``.data``, read or set, makes the unit's
     copies for the device stale, as an in-place write's version bump does (a write through ``.data`` bumps none).
     The overlapped step reuses the copies it made (``restage_each_step`` off): a weight constraint written through
-    ``.data`` in ``training_step``, before the forward, must reach that forward (WGAN's clipping). And any use of it
-    (an op, ``.grad``, ``.data``) waits for the unit's step where that is still to come (host_step.py's
-    ``finish_in_forward``): a penalty over ``self.parameters()`` in ``training_step`` reads the stepped values."""
+    ``.data`` in ``training_step``, before the forward, must reach that forward (WGAN's clipping). And while the unit's
+    step is still to come (host_step.py's ``finish_in_forward``), any use of it (an op, ``.grad``, ``.data``) waits for
+    it (:func:`_after_the_step`, its class's ``__torch_function__`` then; nn.Parameter's otherwise, which torch skips at
+    no cost): a penalty over ``self.parameters()`` in ``training_step`` reads the stepped values. Not what tells nothing
+    of its values (``_METADATA``: its shape, dtype, ``requires_grad``): a step's start reads those of every unit, and
+    the forward would wait for the whole step there."""
 
     _host_shard: Callable[[], Optional["HostShard"]]
-
-    @classmethod
-    def __torch_function__(cls, func: Callable, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
-        storage = cls._host_shard()
-        if storage is not None and storage.await_step is not None:
-            storage.settle()
-        with torch._C.DisableTorchFunctionSubclass():  # (as nn.Parameter: plain tensors out)
-            return func(*args, **(kwargs or {}))
 
     @property  # type: ignore[override]
     def data(self) -> Tensor:
@@ -118,7 +130,7 @@ class HostShard(FlatShard):
 
     offloaded = True
     steps_overlapped = True  # its optimizer step may run as its gradients land (host_step.py)
-    await_step: Optional[Callable[[], None]] = None  # its step, still to come after optimizer.step() returned
+    _await_step: Optional[Callable[[], None]] = None
 
     def __init__(self, slots: list[ParamSlot], flat: Tensor, rank: int, world_size: int,
                  param_dtype: Optional[torch.dtype] = None, *, keep_on_device: bool) -> None:
@@ -143,15 +155,37 @@ class HostShard(FlatShard):
     def _new_shard(self, numel: int, dtype: torch.dtype) -> Tensor:
         return torch.zeros(numel, dtype=dtype, pin_memory=self.pinned)
 
+    @property  # type: ignore[override]
+    def shard(self) -> Tensor:
+        """This rank's master shard, after the unit's step where that is still to come (``finish_in_forward``): what
+        reads or writes it directly, not through the shard parameters (a weight average's update after each step, a
+        load), sees the stepped values, and is not overwritten by the step after it."""
+        if self.await_step is not None:
+            self.settle()
+        return self._master_shard
+
+    @shard.setter
+    def shard(self, value: Tensor) -> None:
+        self._master_shard = value
+
+    @property
+    def await_step(self) -> Optional[Callable[[], None]]:
+        """Waits for the unit's step, still to come after ``optimizer.step()`` returned (host_step.py), or None."""
+        return self._await_step
+
+    @await_step.setter
+    def await_step(self, waiting: Optional[Callable[[], None]]) -> None:
+        self._await_step = waiting
+        # its shard parameters' guard only then: elsewhere a Python call per use (~1 us: 5 per parameter of a step)
+        self.shard_parameter.__torch_function__ = (classmethod(_after_the_step) if waiting is not None
+                                                   else torch._C._disabled_torch_function_impl)
+
     # -- host to device -----------------------------------------------------------------------------
     def settle(self) -> None:
         """Wait for this unit's overlapped step where it is still to come (host_step.py's ``finish_in_forward``)."""
         waiting = self.await_step
         if waiting is not None:
             waiting()
-
-    def step_in_flight(self) -> bool:
-        return self.await_step is not None
 
     def stepped_late(self) -> None:
         """(The worker, under its lock.) Stepped and staged after the optimizer step's end: nothing waits, and no
