@@ -68,7 +68,7 @@ def fit(strategy, precision: str, device: str, optimizer: str = "adamw", adamw: 
                  # offload: optimizer steps overlapped with backward (engine/optim/host_step.py)
                  "overlapped": runtime.host_stepper.overlapped_steps if runtime.host_stepper is not None else 0,
                  # of those, units stepped after optimizer.step() returned (the next forward behind them)
-                 "behind": runtime.host_stepper.deferred_units if runtime.host_stepper is not None else 0}
+                 "behind": runtime.host_stepper.deferred.deferred_units if runtime.host_stepper is not None else 0}
     else:
         state = {k: v.detach().cpu() for k, v in module.state_dict().items()}
         where = {"param_device": where_it_ran.param_device}

@@ -127,7 +127,7 @@ def run_one(name: str, config: str, device: str, steps: int, warmup: int) -> dic
         host_peak_gib=host.growth_mb() / 1024, master_on_host_gib=on_host / GiB,
         overlapped=stepper.overlapped_steps if stepper is not None else 0,
         backups_gib=stepper.peak_backup_bytes / GiB if stepper is not None else 0.0,
-        behind=stepper.deferred_units / max(stepper.overlapped_steps, 1) if stepper is not None else 0.0,
+        behind=stepper.deferred.deferred_units / max(stepper.overlapped_steps, 1) if stepper is not None else 0.0,
         losses=[float(module.losses[0]), float(module.losses[-1])] if module.losses else [],
     )
     return result
