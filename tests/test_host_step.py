@@ -40,9 +40,13 @@ def test_the_overlapped_host_step_equals_the_serial_one_bit_for_bit(world, tmp_p
 def test_the_next_forward_runs_behind_the_host_step_with_the_same_numbers(world, tmp_path):
     # a host slower than its device: optimizer.step() returns with most units still to step, and the next forward
     # waits for each unit's step as it gathers it; so do a norm of the parameters read in training_step before the
-    # forward, clipping's redo, a skipped step and the checkpoints (a weight constraint: the next test)
+    # forward, clipping's redo, a skipped step and the checkpoints (a weight constraint: the next test). The second
+    # has nothing to decide at the end of backward (no clipping, no non-finite check), so each unit's step is queued
+    # as its gradient lands: the end of backward waited for all of them (its wait for the landings waited while the
+    # worker was busy, and it was busy stepping), and nothing was left to run behind
     cases = [{"optimizer": "slow adamw", "clip": 3.0, "accumulate": 2, "nonfinite_at": (3,), "in_step": ("norm",)},
-             {"optimizer": "slow adamw", "clip": None, "accumulate": 1, "in_step": ("norm",), "resume": True},
+             {"optimizer": "slow adamw", "clip": None, "accumulate": 1, "in_step": ("norm",), "resume": True,
+              "nonfinite": None},
              ][: 2 if world == 2 else 1]
     reports = run_world(scenarios.overlapped_as_serial, world, cases, str(tmp_path), timeout=800)[0]
     for report in reports:
@@ -192,6 +196,27 @@ def test_a_step_error_of_the_worker_is_raised_where_that_step_is_waited_for():
         worker.wait_for(lambda: 3 in done)
     worker.wait()
     assert done == [1], done  # what was queued after the failure was dropped
+
+
+def test_the_end_of_backward_waits_for_the_landings_not_for_a_step_running():
+    # it waited while the worker was busy: with each landing queueing its unit's step, for every step, one after another
+    import threading
+    import time
+
+    import torch
+
+    from lightning_shard.engine.optim.host_worker import HostWorker
+
+    worker, started, release, landed = HostWorker(torch.device("cpu")), threading.Event(), threading.Event(), []
+    worker.submit(lambda: landed.append("land"), ready=lambda: True)
+    worker.submit(lambda: (started.set(), release.wait(10)), key=0)  # a step running until released
+    assert started.wait(10)
+    begun = time.monotonic()
+    worker.wait(lands_only=True)
+    waited = time.monotonic() - begun
+    release.set()
+    worker.wait()
+    assert landed == ["land"] and waited < 5, waited
 
 
 @pytest.mark.parametrize("offload", ["optimizer", "params"])

@@ -35,6 +35,7 @@ class HostWorker:
         self._lands: deque[tuple[Callable[[], None], Callable[[], bool]]] = deque()  # (work, whether it can run now)
         self._steps: deque[tuple[int, Callable[[], None]]] = deque()  # (the unit it steps, work)
         self._busy = False
+        self._landing = False  # what it is busy with is a landing
         self._paused = False
         self._error: Optional[BaseException] = None
         self._error_landing = False  # the error came from a landing (else a step)
@@ -80,7 +81,7 @@ class HostWorker:
                 while not (self._lands or (self._steps and not self._paused)):
                     self._cond.wait()
                 work, landing = self._next()
-                self._busy = True
+                self._busy, self._landing = True, landing
             try:
                 if self._error is None:  # after an error, what was queued is dropped (raised at the next wait)
                     with torch.no_grad():
@@ -92,14 +93,15 @@ class HostWorker:
                     self._steps.clear()
             finally:
                 with self._cond:
-                    self._busy = False
+                    self._busy = self._landing = False
                     self._cond.notify_all()
 
     def wait(self, lands_only: bool = False) -> None:
         """Until every landing (and, unless ``lands_only``, every step) given so far has run; raises the worker's
-        error here, on the caller's thread."""
+        error here, on the caller's thread. (``lands_only`` does not wait for a step running now: it waited for every
+        step queued, one after the other, where each landing queues its unit's step.)"""
         with self._cond:
-            while self._lands or self._busy or (not lands_only and self._steps and not self._paused):
+            while self._lands or self._landing or (not lands_only and (self._busy or (self._steps and not self._paused))):
                 self._cond.wait()
             if lands_only and not self._error_landing:
                 return  # (a step's error: raised where that step is waited for)
