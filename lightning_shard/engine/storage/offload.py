@@ -160,8 +160,7 @@ class HostShard(FlatShard):
         """This rank's master shard, after the unit's step where that is still to come (``finish_in_forward``): what
         reads or writes it directly, not through the shard parameters (a weight average's update after each step, a
         load), sees the stepped values, and is not overwritten by the step after it."""
-        if self.await_step is not None:
-            self.settle()
+        self.settle()
         return self._master_shard
 
     @shard.setter
@@ -183,7 +182,7 @@ class HostShard(FlatShard):
     # -- host to device -----------------------------------------------------------------------------
     def settle(self) -> None:
         """Wait for this unit's overlapped step where it is still to come (host_step.py's ``finish_in_forward``)."""
-        waiting = self.await_step
+        waiting = self._await_step
         if waiting is not None:
             waiting()
 
@@ -238,8 +237,7 @@ class HostShard(FlatShard):
     def _staged(self) -> Tensor:
         """The staging copy, rewritten first if the shard may have changed since (its version counter moved, or
         :meth:`shards_changed`: fused optimizers and ``.data`` writes leave the counter alone)."""
-        self.settle()
-        version = self.shard._version
+        version = self.shard._version  # (after this unit's step, where it is still to come: the property waits)
         if self._stale or self._staged_version != version:
             self._staging_read.wait()  # never rewrite what a queued copy still reads
             self.write_gather_input(self._staging)
