@@ -134,7 +134,7 @@ class GatherSchedule:
         self.streams.reads(("gathered", unit.name))
         unit.storage.use_gathered()
         unit.is_gathered = True
-        if exposed and not unit.storage.offloaded:
+        if exposed:
             unit.writable, unit.gathered_version = True, unit.storage.shard._version
         if self.track_storage and not unit.storage.aliases_shard:
             self._gathered_storage[unit.storage.gathered.untyped_storage().data_ptr()] = unit
@@ -186,8 +186,12 @@ class GatherSchedule:
 
     # -- prefetch along the recorded order ----------------------------------------------------------
     def start_forward(self) -> None:
+        """A step begins: nothing is prefetched before its first unit runs. The step's own code runs first
+        (``training_step`` before its forward), and a write through ``.data`` there (WGAN's weight clipping), which no
+        version counter sees, must reach the shards before they are gathered; the first unit's gather is issued when
+        it is reached, the CPU still ahead of the device."""
         self._current_order = []
-        self._forward_cursor = self._prefetch_after(None, self.order, 0)
+        self._forward_cursor = 0
 
     def forward_reached(self, unit: Unit) -> None:
         self._current_order.append(unit)
@@ -200,21 +204,16 @@ class GatherSchedule:
         """Prefetch the units whose backward follows ``unit``'s, those of them that need a gather at all."""
         self._backward_cursor = self._prefetch_after(unit, self._backward_order, self._backward_cursor, needs_gather)
 
-    def _prefetch_after(self, unit: Optional[Unit], order: list[Unit], cursor: int,
+    def _prefetch_after(self, unit: Unit, order: list[Unit], cursor: int,
                         needs_gather: Optional[Callable[[Unit], bool]] = None) -> int:
         """Launch the gathers of the ``prefetch`` units that follow ``unit`` in ``order``; returns the new cursor.
-
-        ``unit=None`` means the start of ``order``. A unit not found (the order changed) prefetches nothing.
-        """
+        A unit not found (the order changed) prefetches nothing."""
         if not self.prefetch or self._nothing_to_prefetch:
             return cursor
-        if unit is None:
-            position = -1
-        else:
-            try:
-                position = order.index(unit, cursor)
-            except ValueError:
-                return cursor
+        try:
+            position = order.index(unit, cursor)
+        except ValueError:
+            return cursor
         for upcoming in order[position + 1 : position + 1 + self.prefetch]:
             # a cast on compute is made when the unit is gathered: made ahead, it would be made again
             if not upcoming.storage.casts_on_compute and (needs_gather is None or needs_gather(upcoming)):

@@ -310,6 +310,8 @@ class ShardRuntime(StepScope, HeldUnits, ModelEntries, RuntimeOptimizers, Runtim
         self._final_callback_queued = False
         self._backward_graph_kept |= torch.is_grad_enabled()  # create_graph=True: keep what its graph reads
         try:
+            for unit in self.units:  # (the step's root, what code outside a unit read): before any unit steps
+                self.schedule.write_back(unit)  # (offload's overlapped step: as the reductions land)
             self.reducer.finish()
             if self.host_stepper is not None:  # offload's overlapped step, where armed: what needs every unit
                 self.host_stepper.landed()

@@ -188,17 +188,22 @@ class FlatShard:
         master dtype it is a copy (the same values where nothing wrote); in a lower one only the elements that differ
         from the shard's cast are taken, in that dtype (the masters elsewhere keep their precision). (No autograd:
         the shard and the gathered buffer's ``.data`` record none, and ``no_grad`` costs more than the rest.)"""
-        base = self.gathered_data.data_ptr()
-        if [p.data_ptr() for p in self.gathered_params] != [base + at if at >= 0 else 0 for at in self._gathered_at]:
-            self._adopt_rebound(self.gathered_params, self.gathered.untyped_storage(), self._gathered_view)
+        self.adopt_rebound_gathered()
         if self.aliases_shard:  # the gathered buffer is the shard
             return
-        local = self.gathered_data[self.shard_start : self.shard_start + self.shard_numel]
+        # (offloaded: brought to the host, where the master is; HostShard does so only where code wrote it)
+        local = self.gathered_data[self.shard_start : self.shard_start + self.shard_numel].to(self.shard.device)
         if not self.computes_lower:
             self.shard.copy_(local)
             return
         written = local != self.shard.to(self.param_dtype)
         torch.where(written, local.to(self.master_dtype), self.shard, out=self.shard)
+
+    def adopt_rebound_gathered(self) -> None:
+        """Gathered parameters given other tensors (``p.data = t``) hold their values in the gathered buffer again."""
+        base = self.gathered_data.data_ptr()
+        if [p.data_ptr() for p in self.gathered_params] != [base + at if at >= 0 else 0 for at in self._gathered_at]:
+            self._adopt_rebound(self.gathered_params, self.gathered.untyped_storage(), self._gathered_view)
 
     def adopt_rebound_shards(self, alike_on_every_rank: bool = False) -> bool:
         """Shard parameters given other tensors (``p.data = t``: MoCo and BYOL update a momentum teacher so) hold their

@@ -292,9 +292,7 @@ class MixedShard(FlatShard):
         write. The slots gathered as they are stored are those bytes (a copy: the same bytes where nothing wrote); a
         cast slot (an fp32 adapter gathered in bf16) takes the elements that differ from its master's cast, in the
         gathered dtype, and its other elements keep their master's precision. (No collective, no host sync.)"""
-        home = self.gathered.untyped_storage().data_ptr()
-        if any(p.untyped_storage().data_ptr() != home for p in self.gathered_params):
-            self._adopt_rebound(self.gathered_params, self.gathered.untyped_storage(), self._gathered_view)
+        self.adopt_rebound_gathered()
         if self.aliases_shard:  # the gathered buffer is the shard
             return
         local = self.gathered_data[self.shard_start : self.shard_start + self.shard_numel].to(self.shard.device)
@@ -303,6 +301,11 @@ class MixedShard(FlatShard):
             kept = self.shard[master_at : master_at + numel * master.itemsize].view(master)
             torch.where(written != kept.to(gather), written.to(master), kept, out=kept)
         self.shard[: self.shard_numel].copy_(local)  # (the cast slots' bytes there are rewritten before each gather)
+
+    def adopt_rebound_gathered(self) -> None:
+        home = self.gathered.untyped_storage().data_ptr()
+        if any(p.untyped_storage().data_ptr() != home for p in self.gathered_params):
+            self._adopt_rebound(self.gathered_params, self.gathered.untyped_storage(), self._gathered_view)
 
     def adopt_rebound_shards(self, alike_on_every_rank: bool = False) -> bool:
         """Shard parameters given other tensors (``p.data = t``) hold their values in the shard, viewing it again;

@@ -131,6 +131,7 @@ class HostShard(FlatShard):
     offloaded = True
     steps_overlapped = True  # its optimizer step may run as its gradients land (host_step.py)
     _await_step: Optional[Callable[[], None]] = None
+    _sent: Optional[Tensor] = None  # what the gathered buffer was made of, while it is allocated (_device_copy)
 
     def __init__(self, slots: list[ParamSlot], flat: Tensor, rank: int, world_size: int,
                  param_dtype: Optional[torch.dtype] = None, *, keep_on_device: bool) -> None:
@@ -251,9 +252,11 @@ class HostShard(FlatShard):
         return out
 
     def _device_copy(self) -> Tensor:
-        """The compute-dtype shard on the device, in the current stream's order (the gather stream's)."""
+        """The compute-dtype shard on the device, in the current stream's order (the gather stream's); kept as what
+        the gathered buffer was made of until the buffer is freed (:meth:`write_back` compares them)."""
         if not self.keep_on_device:
-            return self._to_device(torch.empty(self.shard_numel, dtype=self.gathered.dtype, device=self.device))
+            self._sent = self._to_device(torch.empty(self.shard_numel, dtype=self.gathered.dtype, device=self.device))
+            return self._sent
         staged = self._staged()  # (after this unit's step, where it is still to come)
         self._uploaded.wait_on_device()  # a copy the overlapped step queued (on CUDA; else done already)
         if self._on_device is None:
@@ -262,16 +265,32 @@ class HostShard(FlatShard):
             self._on_device.copy_(staged, non_blocking=True)
             self._staging_read.record()
             self._on_device_of = self._stagings
+        self._sent = self._on_device
         return self._on_device
 
     def shard_for_gather(self) -> Tensor:
         return self._device_copy()
 
     def fill_gathered(self, buffer: Tensor) -> None:
-        if self.keep_on_device:
-            buffer.copy_(self._device_copy())
-        else:
-            self._to_device(buffer)
+        buffer.copy_(self._device_copy())
+
+    def free(self) -> None:
+        self._sent = None
+        super().free()
+
+    def write_back(self) -> None:
+        """What code wrote into the gathered copy (a weight constraint at the top of ``training_step``, on the step's
+        root; a module clamping its own weight in its forward) kept in the master, in host memory. This rank's part of
+        the buffer is compared on the device with the copy it was gathered from (one wait for the device per unit
+        gathered where code may write it: an offloaded step waits for its host anyway); only where code wrote it is
+        it brought to the host and kept there as FlatShard keeps it, and the device's copies made again."""
+        sent, self._sent = self._sent, None
+        self.adopt_rebound_gathered()
+        local = self.gathered_data[self.shard_start : self.shard_start + self.shard_numel]
+        if sent is not None and torch.equal(local, sent):
+            return
+        super().write_back()
+        self.forget_staging()
 
     # -- device to host -----------------------------------------------------------------------------
     def grad_to_host(self, reduced: Tensor) -> Tensor:
