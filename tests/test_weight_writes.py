@@ -66,3 +66,15 @@ def test_written_back_under_bf16_masters_keep_their_precision_where_nothing_wrot
     expected = values.clone()
     expected[5] = 0.5
     assert torch.equal(storage.shard, expected)
+
+
+def test_weights_clipped_through_data_in_a_lightning_fit_match_ddp_with_and_without_offload():
+    """WGAN's `p.data.clamp_()` at the top of `training_step`, in `on_before_zero_grad`, or inside each block's forward,
+    against DDP (32-true, 1e-6). At the top of training_step the first block's prefetch, issued as the step began,
+    read its shard before the clamp, and its copy overwrote the clamped shard when freed (4e-2 off); offloaded, what
+    was written into a gathered copy (the root's, a block's in its forward) never reached the master (4.1 off), and
+    the overlapped step stepped the root before its write-back."""
+    cases = [(where, offload, overlap) for where in ("training_step", "on_before_zero_grad", "in_forward")
+             for offload, overlap in ((None, True), ("optimizer", True), ("optimizer", False), ("params", True))]
+    report = run_world(scenarios.lightning_constraints, 2, cases, timeout=500)[0]
+    assert all(diff <= 1e-6 for diff in report.values()), report

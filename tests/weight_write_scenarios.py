@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from typing import Optional
 
 import torch
 from torch import nn
@@ -239,3 +240,54 @@ def lightning_wgan(rank: int, world: int, sharding: str, micro: int = 2, steps: 
     for name, value in expected.items():
         torch.testing.assert_close(full[name], value, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"[{sharding}] {n}: {m}")
     return {"skipped": trainer.strategy.runtime.skipped_steps, "steps": trainer.global_step}
+
+
+def _clipped_gpt(where: str):
+    """host_step_scenarios.GPT (TinyGPT, AdamW) whose every weight is clipped through ``.data`` (WGAN's way) where
+    ``where`` says: ``"training_step"`` (at its top, before the forward: the step's root is gathered, no other unit),
+    ``"on_before_zero_grad"`` (after the forward, before the backward: README's advice) or ``"in_forward"`` (each block
+    clips its own weights inside its forward, where it is gathered)."""
+    from tests.host_step_scenarios import GPT
+
+    class Clipped(GPT):
+        def __init__(self) -> None:
+            super().__init__("adamw", in_step=("clamp",) if where == "training_step" else ())
+            if where == "in_forward":  # (a pre-hook of its first layer: inside the block's forward)
+                for block in self.model.blocks:
+                    block.ln1.register_forward_pre_hook(lambda module, args, block=block: _clip(block))
+
+    if where == "on_before_zero_grad":
+        Clipped.on_before_zero_grad = lambda self, optimizer: _clip(self)
+    return Clipped
+
+
+def lightning_constraints(rank: int, world: int, cases: list[tuple[str, Optional[str], bool]]) -> dict:
+    """Per (where, offload, offload_overlap): the largest difference of the weights after a Lightning fit (32-true,
+    2 epochs) from DDP's with the same clipping."""
+    import lightning as L
+
+    from lightning_shard import ShardStrategy
+    from tests.host_step_scenarios import _batches
+    from tests.world import as_lightning_rank
+
+    as_lightning_rank(rank, world)
+
+    def fit(where: str, strategy) -> dict:
+        torch.manual_seed(0)
+        module = _clipped_gpt(where)()
+        trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_epochs=2, logger=False,
+                            precision="32-true", use_distributed_sampler=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(module, torch.utils.data.DataLoader(_batches(rank, world, 2), batch_size=None))
+        if isinstance(strategy, ShardStrategy):
+            return full_state_dict(trainer.strategy.runtime, rank0_only=False)
+        return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+    report, references = {}, {}
+    for where, offload, overlap in cases:
+        if where not in references:
+            references[where] = fit(where, "ddp")
+        state = fit(where, ShardStrategy(units=["Block"], offload=offload, offload_overlap=overlap))
+        report[(where, offload, overlap)] = max(float((state[k] - ref).abs().max())
+                                                for k, ref in references[where].items())
+    return report
