@@ -310,8 +310,12 @@ class ShardRuntime(StepScope, HeldUnits, ModelEntries, RuntimeOptimizers, Runtim
         self._final_callback_queued = False
         self._backward_graph_kept |= torch.is_grad_enabled()  # create_graph=True: keep what its graph reads
         try:
-            for unit in self.units:  # (the step's root, what code outside a unit read): before any unit steps
-                self.schedule.write_back(unit)  # (offload's overlapped step: as the reductions land)
+            if self.host_stepper is not None and self.host_stepper.armed is not None:
+                # units step as their reductions land, the last of them now: what code wrote into a copy still
+                # gathered (the step's root, a unit read outside itself) is kept first (a write after this one, while
+                # the units step, would be a stale copy's)
+                for unit in self.units:
+                    self.schedule.write_back(unit)
             self.reducer.finish()
             if self.host_stepper is not None:  # offload's overlapped step, where armed: what needs every unit
                 self.host_stepper.landed()

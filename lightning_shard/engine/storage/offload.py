@@ -284,13 +284,13 @@ class HostShard(FlatShard):
         the buffer is compared on the device with the copy it was gathered from (one wait for the device per unit
         gathered where code may write it: an offloaded step waits for its host anyway); only where code wrote it is
         it brought to the host and kept there as FlatShard keeps it, and the device's copies made again."""
-        sent, self._sent = self._sent, None
         self.adopt_rebound_gathered()
         local = self.gathered_data[self.shard_start : self.shard_start + self.shard_numel]
-        if sent is not None and torch.equal(local, sent):
+        if self._sent is not None and torch.equal(local, self._sent):
             return
         super().write_back()
         self.forget_staging()
+        self._sent = None  # (no longer what the master's copies will be: compared with the master from now on)
 
     # -- device to host -----------------------------------------------------------------------------
     def grad_to_host(self, reduced: Tensor) -> Tensor:
