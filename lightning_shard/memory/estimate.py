@@ -223,12 +223,13 @@ def combine(sizes: list[UnitSize], master: torch.dtype, param_dtype: torch.dtype
     root_grads = sum(u.grad_numel for u in sizes if u.is_root)
     others = sorted((u.gathered_bytes for u in sizes if not u.is_root), reverse=True)
     if aliases:
-        gathered = 0
+        at_once = 0
     elif sharding in ("full", "hybrid"):
         ahead = 0 if one_shard and offload is None else prefetch  # one shard: each unit cast as it runs (gather.py)
-        gathered = sum(others[: 1 + ahead])
+        at_once = 1 + ahead
     else:  # grad_op keeps every unit gathered from its forward to its backward; none keeps them always
-        gathered = sum(others)
+        at_once = len(others)
+    gathered = sum(others[:at_once])
     # the root's gradients build up through all of backward; a unit's until its reduction (``engine/runtime/reduce.py``),
     # which flattens them into the reduce dtype (master's here), computing in another through a concatenation in
     # theirs. The reduction left in flight while the next unit computes is not added: that unit's activations are
@@ -245,6 +246,9 @@ def combine(sizes: list[UnitSize], master: torch.dtype, param_dtype: torch.dtype
         in_forward, in_backward = held.bytes(0, unsharded)
         state, scratch = round(stepped * optimizer.state), step_scratch(sizes, b_master, optimizer, step_group_numel)
         staged = sum(u.gather_shard_bytes for u in sizes)
+        if offload == "params":  # a gathered unit keeps the device copy of the shard it was gathered from (offload.py)
+            sent = sorted((u.gather_shard_bytes for u in sizes if not u.is_root), reverse=True)[:at_once]
+            gathered += sum(sent) + sum(u.gather_shard_bytes for u in sizes if u.is_root)
         return MemoryEstimate(
             params=(staged if offload == "optimizer" else 0) + root,
             optimizer_state=0, buffers=buffers, grads=0, gathered=gathered, grads_in_flight=grads_in_flight,
