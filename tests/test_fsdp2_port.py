@@ -118,8 +118,6 @@ def test_reset_parameters_after_sharding_names_keep_gathered():
     _assert_errors_name(state.reset_parameters_on_shards, "keep_gathered")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a plain (full) state dict given to the sharded model's load_state_dict fails with torch's size mismatch "
-    "against the 1-D shards, which names neither sharding nor load_full_state_dict (state_dict() itself is guarded)"))
 def test_full_state_dict_into_sharded_load_state_dict_names_load_full_state_dict():
+    """(It failed with torch's size mismatch against the 1-D shards, naming neither sharding nor what loads it.)"""
     _assert_errors_name(state.full_state_dict_into_sharded, "load_full_state_dict")

@@ -30,8 +30,8 @@ class ModuleGuards:
 
     def install_guards(self) -> None:
         """Wrap ``_apply`` of every module of the tree (a conversion may be called on any submodule) and
-        ``state_dict`` of every module that holds a sharded parameter or has one below it; :meth:`remove_hooks`
-        unwraps them."""
+        ``state_dict`` and ``load_state_dict`` of every module that holds a sharded parameter or has one below it;
+        :meth:`remove_hooks` unwraps them."""
         self._param_names = {id(p): slot.names[0] for unit in self.units for slot, *params in
                              zip(unit.storage.slots, unit.storage.shard_params, unit.storage.gathered_params)
                              for p in params}
@@ -40,6 +40,7 @@ class ModuleGuards:
             self._wrap(module, "_apply", self._guarded_apply)
             if any(id(m) in owners for m in module.modules()):
                 self._wrap(module, "state_dict", self._guarded_state_dict)
+                self._wrap(module, "load_state_dict", self._guarded_load_state_dict)
 
     def _wrap(self, module: nn.Module, name: str, guard: Callable[..., Any]) -> None:
         had = module.__dict__.get(name)
@@ -146,3 +147,18 @@ class ModuleGuards:
             self._full_depth -= 1
             for owner, attr, param in held:
                 owner._parameters[attr] = param
+
+    def _guarded_load_state_dict(self, module: nn.Module, original: Callable[..., Any], *args: Any,
+                                 **kwargs: Any) -> Any:
+        """The module holds 1-D shards: a state dict of full tensors (the plain model's) fails torch's shape check
+        against them, in torch's words, and one of shards would pair other elements on another number of ranks.
+        Refused, naming what loads it; inside ``plain_state_dict()``, this rank's shards as they are."""
+        if self._plain_depth:
+            return original(*args, **kwargs)
+        raise RuntimeError(
+            "lightning_shard: `load_state_dict()` of a sharded model would copy full tensors into this rank's 1-D"
+            " shards. Call `lightning_shard.checkpoint.full.load_full_state_dict(model._shard_runtime, state_dict)`"
+            " on every rank (each copies the slices it owns; `strict=` as torch's), `load_pretrained` for an HF"
+            " folder, or `trainer.fit(ckpt_path=...)` to resume; or load before the model is sharded (in the"
+            " LightningModule's `__init__`). For this rank's shards as `state_dict()` gave them inside"
+            " `plain_state_dict()`, load inside `with model._shard_runtime.plain_state_dict():`.")
