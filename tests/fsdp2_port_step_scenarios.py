@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lightning_shard.checkpoint.full import full_state_dict
 from tests.fsdp2_port_common import MLP, compare
 
 
@@ -178,3 +179,48 @@ def clipped(rank: int, world: int, mode: str, norm_type: float) -> None:
 
     compare(rank, world, lambda: nn.Sequential(nn.Linear(8, 8), *(MLP() for _ in range(3))), _plain,
             f"clip/{norm_type}/{mode}", mode=mode, units=["MLP"], after_grads=clip)
+
+
+def abandoned_micro_batch(rank: int, world: int, cases: list[tuple[str, str, str]]) -> dict:
+    """Per (compute dtype, how, mode): a micro-batch backpropagated under no_sync, then its gradients cleared by
+    ``how`` ("optimizer": ``optimizer.zero_grad()``; "module": ``model.zero_grad()``; "loop": ``p.grad = None`` over
+    ``model.parameters()``; "module after forward": ``model.zero_grad()`` between the next forward and its backward,
+    where the root and the last unit are gathered; "only module after forward": no micro-batch abandoned, that
+    ``model.zero_grad()`` the only clearing), against the same sharded model that never ran it and zeroes its
+    gradients after each step, bit for bit (DDP's meaning: only the next micro-batch counts). Returns the parameters
+    that differ."""
+    from lightning_shard.engine.shard_module import shard_module
+
+    report = {}
+    for dtype, how, mode in cases:
+        g = torch.Generator().manual_seed(3)
+        batches = [torch.randn(4 * world, 8, generator=g).chunk(world)[rank] for _ in range(4)]
+        torch.manual_seed(0)
+        build = lambda: nn.Sequential(nn.Linear(8, 8), *(MLP() for _ in range(2)), Head(8, 8))  # noqa: E731
+        models = [build(), build()]
+        models[1].load_state_dict(models[0].state_dict())
+        runtimes = [shard_module(m, sharding=mode, units=["MLP"], param_dtype=getattr(torch, dtype)) for m in models]
+        opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in models]
+        for i in range(2):
+            abandoned, kept = batches[2 * i : 2 * i + 2]
+            if not how.startswith("only"):
+                with runtimes[0].no_sync():
+                    models[0](abandoned).float().pow(2).mean().backward()
+            if how == "optimizer":
+                opts[0].zero_grad(set_to_none=i % 2 == 0)
+            elif how == "module":
+                models[0].zero_grad(set_to_none=i % 2 == 0)
+            elif how == "loop":
+                for p in models[0].parameters():
+                    p.grad = None
+            for model, opt in zip(models, opts):
+                loss = model(kept).float().pow(2).mean()
+                if how.endswith("module after forward") and model is models[0]:
+                    model.zero_grad(set_to_none=i % 2 == 0)
+                loss.backward()
+                opt.step()
+                if model is models[1] or not how.startswith("only"):
+                    opt.zero_grad()
+        states = [full_state_dict(runtime, rank0_only=False) for runtime in runtimes]
+        report[(dtype, how, mode)] = [k for k in states[0] if not torch.equal(states[0][k], states[1][k])]
+    return report

@@ -86,14 +86,12 @@ def test_fsdp2_state_scenarios_match_one_process_at_3_ranks(mode):
     _assert_all_ok(run_world(_run, 3, mode, "state", timeout=280))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "zero_grad() after a backward inside no_sync() does not clear the unreduced micro-batch gradients: they stay on "
-    "the gathered parameters (or in UnshardedGrads' held sum under a lower compute dtype), which zero_grad on the "
-    "shard parameters never reaches, and the next synced backward reduces them with its own (20% off the loss of the "
-    "next step; DDP's no_sync keeps them in .grad, which zero_grad clears)"))
 @pytest.mark.parametrize("mode,where", [("full", "before_forward"), ("full", "after_forward"),
                                         ("grad_op", "before_forward")])
 def test_zero_grad_after_an_unsynced_backward_clears_it_like_ddp(mode, where):
+    """zero_grad() after a backward inside no_sync() did not clear its micro-batch: held on the gathered parameters
+    (or summed apart under a lower compute dtype), out of zero_grad's reach, it was reduced with the next backward's
+    (20% off the next step's loss). DDP's no_sync leaves it in .grad, which zero_grad clears."""
     run_world(steps.zero_grad_between_micro_batches, 2, mode, where, timeout=200)
 
 
@@ -121,3 +119,15 @@ def test_reset_parameters_after_sharding_names_keep_gathered():
 def test_full_state_dict_into_sharded_load_state_dict_names_load_full_state_dict():
     """(It failed with torch's size mismatch against the 1-D shards, naming neither sharding nor what loads it.)"""
     _assert_errors_name(state.full_state_dict_into_sharded, "load_full_state_dict")
+
+
+def test_gradients_cleared_after_an_unsynced_backward_are_gone_however_they_are_cleared():
+    """optimizer.zero_grad(), model.zero_grad() (before the next forward, or after it, where the root and the last
+    unit are gathered), or `p.grad = None` over model.parameters(), after a backward inside no_sync(), computing in
+    fp32 and in bf16 (its micro-batches summed apart in fp32), under full and grad_op: the model that never ran that
+    micro-batch, bit for bit. Each case differed before; so did a model.zero_grad() between forward and backward as
+    the only clearing of a synced loop (the gathered root's and last unit's shard gradients were kept)."""
+    cases = [(dtype, how, mode) for dtype in ("float32", "bfloat16") for mode in ("full", "grad_op")
+             for how in ("optimizer", "module", "loop", "module after forward", "only module after forward")]
+    report = run_world(steps.abandoned_micro_batch, 2, cases, timeout=300)[0]
+    assert report == {case: [] for case in cases}, report

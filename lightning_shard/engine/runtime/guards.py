@@ -30,17 +30,20 @@ class ModuleGuards:
 
     def install_guards(self) -> None:
         """Wrap ``_apply`` of every module of the tree (a conversion may be called on any submodule) and
-        ``state_dict`` and ``load_state_dict`` of every module that holds a sharded parameter or has one below it;
-        :meth:`remove_hooks` unwraps them."""
+        ``state_dict``, ``load_state_dict`` and ``zero_grad`` of every module that holds a sharded parameter or has
+        one below it; :meth:`remove_hooks` unwraps them."""
         self._param_names = {id(p): slot.names[0] for unit in self.units for slot, *params in
                              zip(unit.storage.slots, unit.storage.shard_params, unit.storage.gathered_params)
                              for p in params}
+        self._shard_of_gathered = {id(gathered): shard for unit in self.units
+                                   for shard, gathered in zip(unit.storage.shard_params, unit.storage.gathered_params)}
         owners = {id(module) for unit in self.units for slot in unit.storage.slots for module, _ in slot.locations}
         for module in self.root.modules():
             self._wrap(module, "_apply", self._guarded_apply)
             if any(id(m) in owners for m in module.modules()):
                 self._wrap(module, "state_dict", self._guarded_state_dict)
                 self._wrap(module, "load_state_dict", self._guarded_load_state_dict)
+                self._wrap(module, "zero_grad", self._guarded_zero_grad)
 
     def _wrap(self, module: nn.Module, name: str, guard: Callable[..., Any]) -> None:
         had = module.__dict__.get(name)
@@ -147,6 +150,20 @@ class ModuleGuards:
             self._full_depth -= 1
             for owner, attr, param in held:
                 owner._parameters[attr] = param
+
+    def _guarded_zero_grad(self, module: nn.Module, original: Callable[..., Any], set_to_none: bool = True) -> None:
+        """Where a unit is gathered (the step's root, the last unit between forward and backward; every unit under
+        ``grad_op``), the module holds its gathered copies, whose ``.grad`` is not what the optimizer steps: the shard
+        parameters' gradients are cleared alike, as DDP's one ``.grad`` would be (with what ``no_sync()`` held for
+        them: reduce.py's marks)."""
+        original(set_to_none)
+        for param in module.parameters():
+            shard = self._shard_of_gathered.get(id(param))
+            if shard is not None and shard.grad is not None:
+                if set_to_none:
+                    shard.grad = None
+                else:
+                    shard.grad.zero_()
 
     def _guarded_load_state_dict(self, module: nn.Module, original: Callable[..., Any], *args: Any,
                                  **kwargs: Any) -> Any:

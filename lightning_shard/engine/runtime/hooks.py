@@ -303,6 +303,7 @@ class ShardRuntime(StepScope, HeldUnits, ModelEntries, RuntimeOptimizers, Runtim
     def _start_backward(self, _param: Optional[Tensor]) -> None:  # also a post-accumulate-grad hook (_watch_parameters)
         if not self._final_callback_queued:
             self._final_callback_queued = True
+            self.reducer.forget_zeroed()  # (before this backward adds to what no_sync() left)
             self.schedule.start_backward()
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 

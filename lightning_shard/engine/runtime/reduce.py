@@ -81,6 +81,10 @@ class GradientReducer:
         # ids of units that trained in a backward inside no_sync(): their gathered parameters may hold gradients,
         # frozen since or not, which the next backward outside reduces (plain torch keeps and steps them)
         self._accumulated: set[int] = set()
+        # id(unit) -> {slot: (its shard parameter's .grad as the micro-batches were left unreduced, that tensor's
+        # version, whether it was made here)}: DDP's no_sync leaves them in .grad, which zero_grad clears; here they are
+        # held elsewhere, and a zero_grad since (that .grad set to None, replaced, or zeroed) drops them (forget_zeroed)
+        self._marks: dict[int, dict[int, tuple[Tensor, int, bool]]] = {}
         self._reductions = 0  # numbers each reduction's buffers for the stream checker (a unit may reduce twice)
         self._done: set[int] = set()  # ids of units reduced in this backward
         self._trainable_check: Optional[Pending] = None  # the ranks' comparison of what they train, in flight
@@ -125,6 +129,7 @@ class GradientReducer:
                 if dtype != storage.param_dtype:
                     self._done.add(id(unit))
                     storage.unsharded.hold(dtype)
+                self._mark_unreduced(unit)
             return
         carried = id(unit) in self._accumulated or (self.sync_replicas and id(unit) in self._unsynced)
         if not (storage.trainable or carried):  # (the same on every rank: what they train is checked)
@@ -163,6 +168,32 @@ class GradientReducer:
         self._pending.append(_Reduction(unit, pending, used, serial))
         if storage.world_size == 1:  # nothing to reduce-scatter: on to the replicas at once
             self._complete_oldest()
+
+    def _mark_unreduced(self, unit: Unit) -> None:
+        """``unit``'s micro-batches are left unreduced: each slot holding some gets a ``.grad`` on its shard parameter
+        (zeros, where it had none), for a ``zero_grad`` to clear as it clears DDP's (:meth:`forget_zeroed`)."""
+        marks = self._marks.setdefault(id(unit), {})
+        params = unit.storage.shard_params
+        for i in unit.storage.unsharded.held_slots():
+            if i not in marks:
+                made = params[i].grad is None
+                if made:
+                    params[i].grad = torch.zeros_like(params[i])
+                marks[i] = (params[i].grad, params[i].grad._version, made)
+
+    def forget_zeroed(self) -> None:
+        """Before a backward adds to them, or an optimizer step: the unreduced micro-batches of each slot whose mark a
+        ``zero_grad`` cleared since are dropped (what DDP keeps in ``.grad``); the marks made here come off."""
+        marked, self._marks = self._marks, {}
+        for unit in self.units:
+            params, zeroed = unit.storage.shard_params, []
+            for i, (mark, version, made) in marked.get(id(unit), {}).items():
+                if params[i].grad is not mark or mark._version != version:
+                    zeroed.append(i)
+                elif made:
+                    params[i].grad = None
+            if zeroed:
+                unit.storage.unsharded.drop_slots(zeroed)
 
     def compare_trainable(self) -> None:
         """Start comparing the parameters the ranks train (a step's start, before anything is reduced): which units

@@ -343,6 +343,18 @@ class MixedUnshardedGrads(UnshardedGrads):
         super().hold(dtype)
         self._held_layout = self.storage._grad_layout()[0]
 
+    def drop_slots(self, slots: list[int]) -> None:
+        """The held sum is laid out by rank, each rank's part of each slot: forgotten whole where every slot it holds
+        was cleared; in part, refused."""
+        if self._held is None:
+            return super().drop_slots(slots)
+        if self._held[1] - set(slots):
+            raise RuntimeError(
+                f"lightning_shard: zero_grad cleared the gradients accumulated inside no_sync() of some of the"
+                f" parameters of {self.storage.slots[0].names[0]!r}'s unit only, whose dtypes are held together:"
+                " clear them all (optimizer.zero_grad(), model.zero_grad()) or none.")
+        self._held = None
+
 
 class HostMixedShard(HostShard, MixedShard):
     """A :class:`MixedShard` offloaded: HostShard's host-side behaviour over MixedShard's byte layout (its staging

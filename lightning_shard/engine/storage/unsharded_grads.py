@@ -6,6 +6,7 @@ step). Its cost: while accumulating, each unit's unsharded gradient in that dtyp
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import Optional
 
 import torch
@@ -64,6 +65,24 @@ class UnshardedGrads:
         parameters (their low-precision ``.grad`` is freed as the unit's backward ends)."""
         flat, used, _ = self.take(dtype)
         self._held = (flat, set(used))
+
+    def held_slots(self) -> set[int]:
+        """The slots whose micro-batches' gradients are held (summed here, or on the gathered parameters)."""
+        if self._held is not None:
+            return set(self._held[1])
+        return {i for i, param in enumerate(self.params) if param.grad is not None}
+
+    def drop_slots(self, slots: list[int]) -> None:
+        """A ``zero_grad`` cleared these slots' micro-batches (engine/runtime/reduce.py): forgotten, as DDP's."""
+        if self._held is None:
+            for i in slots:
+                self.params[i].grad = None
+            return
+        flat, used = self._held
+        starts = list(accumulate(self.numels, initial=0))
+        for i in slots:
+            flat[starts[i] : starts[i + 1]].zero_()
+            used.discard(i)
 
     def drop(self) -> None:
         """A backward failed: the micro-batches' sums go with it (as their ``.grad`` would)."""
