@@ -171,29 +171,48 @@ class GradientReducer:
 
     def _mark_unreduced(self, unit: Unit) -> None:
         """``unit``'s micro-batches are left unreduced: each slot holding some gets a ``.grad`` on its shard parameter
-        (zeros, where it had none), for a ``zero_grad`` to clear as it clears DDP's (:meth:`forget_zeroed`)."""
+        (zeros, where it had none), for a ``zero_grad`` to clear as it clears DDP's (:meth:`forget_zeroed`). Its zeros
+        are -0.0: a zero_grad writes +0.0, while a write that keeps the values (``clip_grad_norm_`` below its norm,
+        ``nan_to_num_`` in ``on_after_backward``) keeps the sign, and must not drop the micro-batches."""
         marks = self._marks.setdefault(id(unit), {})
-        params = unit.storage.shard_params
-        for i in unit.storage.unsharded.held_slots():
-            if i not in marks:
-                made = params[i].grad is None
-                if made:
-                    params[i].grad = torch.zeros_like(params[i])
-                marks[i] = (params[i].grad, params[i].grad._version, made)
+        params, new = unit.storage.shard_params, {}
+        for i in unit.storage.unsharded.held_slots() - marks.keys():
+            new[i] = params[i].grad is None
+            if new[i]:
+                params[i].grad = torch.full_like(params[i], -0.0)
+            else:
+                params[i].grad.masked_fill_(params[i].grad == 0, -0.0)
+        # (versions once all are written: the views of one flat gradient share one version counter)
+        marks.update({i: (params[i].grad, params[i].grad._version, made) for i, made in new.items()})
 
     def forget_zeroed(self) -> None:
         """Before a backward adds to them, or an optimizer step: the unreduced micro-batches of each slot whose mark a
         ``zero_grad`` cleared since are dropped (what DDP keeps in ``.grad``); the marks made here come off."""
         marked, self._marks = self._marks, {}
+        zeroed: dict[int, list[int]] = {}
+        empty, evidence = [], False  # (written empty marks; whether any mark with elements was read)
         for unit in self.units:
-            params, zeroed = unit.storage.shard_params, []
             for i, (mark, version, made) in marked.get(id(unit), {}).items():
-                if params[i].grad is not mark or mark._version != version:
-                    zeroed.append(i)
-                elif made:
-                    params[i].grad = None
-            if zeroed:
-                unit.storage.unsharded.drop_slots(zeroed)
+                grad = unit.storage.shard_params[i].grad
+                if grad is not mark:
+                    zeroed.setdefault(id(unit), []).append(i)
+                elif mark._version != version and not mark.numel():
+                    empty.append((unit, i))
+                else:
+                    evidence |= bool(mark.numel())
+                    if mark._version != version and _zeroed(mark):
+                        zeroed.setdefault(id(unit), []).append(i)
+        # an empty shard (its rank holds none of the parameter) has no sign to read: it goes with the others (a
+        # zero_grad clears an optimizer's or a module's parameters together), or where there is none, with its version
+        for unit, i in empty:
+            if zeroed or not evidence:
+                zeroed.setdefault(id(unit), []).append(i)
+        for unit in self.units:
+            for i, (mark, _, made) in marked.get(id(unit), {}).items():
+                if made and i not in zeroed.get(id(unit), ()):
+                    unit.storage.shard_params[i].grad = None
+            if id(unit) in zeroed:
+                unit.storage.unsharded.drop_slots(zeroed[id(unit)])
 
     def compare_trainable(self) -> None:
         """Start comparing the parameters the ranks train (a step's start, before anything is reduced): which units
@@ -366,3 +385,9 @@ def _different_trainables() -> RuntimeError:
         "lightning_shard: ranks train different parameters: `requires_grad` was changed on some ranks only."
         " Freeze or unfreeze parameters on every rank (a callback's hooks run on all of them)."
     )
+
+
+def _zeroed(mark: Tensor) -> bool:
+    """A mark written since (rare: one wait for the device) holds +0.0 everywhere only where a ``zero_grad`` zeroed it
+    (its zeros were -0.0)."""
+    return not bool(torch.logical_or(mark != 0, torch.signbit(mark)).any())
