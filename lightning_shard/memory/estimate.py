@@ -193,8 +193,9 @@ class GradsHeld:
             return (shards if self.zero_grad_before_backward else 0), 0
         if self.reduce_during_accumulation:
             return shards, shards
-        # the last step's shards until the first micro-batch's zero_grad; after it, every unit's unsharded sums
-        return max(unsharded, shards if self.zero_grad_before_backward else 0), unsharded
+        # after the first micro-batch, every unit's unsharded sums and, on the shard parameters, the marks a zero_grad
+        # would clear (engine/runtime/reduce.py): a gradient shard each
+        return unsharded + shards, unsharded + shards
 
 
 @dataclass(frozen=True)

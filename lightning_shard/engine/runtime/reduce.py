@@ -189,6 +189,8 @@ class GradientReducer:
         """Before a backward adds to them, or an optimizer step: the unreduced micro-batches of each slot whose mark a
         ``zero_grad`` cleared since are dropped (what DDP keeps in ``.grad``); the marks made here come off."""
         marked, self._marks = self._marks, {}
+        if not marked:  # (every backward and step asks)
+            return
         zeroed: dict[int, list[int]] = {}
         empty, evidence = [], False  # (written empty marks; whether any mark with elements was read)
         for unit in self.units:
