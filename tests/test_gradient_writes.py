@@ -1,4 +1,4 @@
-"""Review 56 (tests/review56_scenarios.py): value-keeping writes into the shard gradients between micro-batches
+"""Value-keeping writes into the shard gradients between micro-batches
 under no_sync() keep those micro-batches, against one process on the same global batch at 2 gloo ranks (rtol 1e-5,
 atol 1e-6), and bit for bit against the same sharded model without them (bf16 base, fp32 adapter)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests import review56_scenarios as scenarios
+from tests import gradient_write_scenarios as scenarios
 from tests.world import run_world
 
 pytestmark = pytest.mark.timeout(300)

@@ -1,4 +1,4 @@
-"""Review 56: writes into the shard gradients between micro-batches under ``no_sync()`` that keep their values (a
+"""Writes into the shard gradients between micro-batches under ``no_sync()`` that keep their values (a
 ``clip_grad_norm_`` below its norm or ``nan_to_num_`` in ``on_after_backward``, which runs after every micro-batch)
 are no ``zero_grad``: the unreduced micro-batches stay (they were dropped, as after a zero_grad: 2 of 3 lost)."""
 
