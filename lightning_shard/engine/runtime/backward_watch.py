@@ -100,7 +100,7 @@ def refuse_unseen_gradients(units: list[Unit], reducer: GradientReducer, when: s
     """Raise if a gathered parameter holds a gradient that no reduction took, or a reduction was not completed, ``when``
     neither may be (a step's start, an optimizer step): a backward reached them that no hook saw, or the last backward
     ran inside ``no_sync()``."""
-    reducer.forget_zeroed()  # (what no_sync() left, and a zero_grad cleared since, is gone)
+    reducer.marks.forget_zeroed()  # (what no_sync() left, and a zero_grad cleared since, is gone)
     if reducer.in_flight:
         raise RuntimeError(f"lightning_shard: at {when}, gradient reductions begun in a backward were never completed:"
                            " the runtime did not see that backward begin. Please report the model's habit.")

@@ -303,7 +303,8 @@ class ShardRuntime(StepScope, HeldUnits, ModelEntries, RuntimeOptimizers, Runtim
     def _start_backward(self, _param: Optional[Tensor]) -> None:  # also a post-accumulate-grad hook (_watch_parameters)
         if not self._final_callback_queued:
             self._final_callback_queued = True
-            self.reducer.forget_zeroed()  # (before this backward adds to what no_sync() left)
+            # before this backward adds to what no_sync() left (inside it, the intact marks stay)
+            self.reducer.marks.forget_zeroed(keep=not self.reducer.sync_grads)
             self.schedule.start_backward()
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 

@@ -39,6 +39,7 @@ from lightning_shard.engine.comm.collectives import CommStats, Pending
 from lightning_shard.engine.comm.groups import ShardGroups
 from lightning_shard.engine.comm.streams import Streams
 from lightning_shard.engine.runtime.gather import GatherSchedule, different_gathers
+from lightning_shard.engine.runtime.no_sync_marks import NoSyncMarks
 from lightning_shard.engine.storage.unit import Unit
 
 MAX_PENDING_REDUCTIONS = 1  # overlapping the next unit's backward
@@ -81,10 +82,8 @@ class GradientReducer:
         # ids of units that trained in a backward inside no_sync(): their gathered parameters may hold gradients,
         # frozen since or not, which the next backward outside reduces (plain torch keeps and steps them)
         self._accumulated: set[int] = set()
-        # id(unit) -> {slot: (its shard parameter's .grad as the micro-batches were left unreduced, that tensor's
-        # version, whether it was made here)}: DDP's no_sync leaves them in .grad, which zero_grad clears; here they are
-        # held elsewhere, and a zero_grad since (that .grad set to None, replaced, or zeroed) drops them (forget_zeroed)
-        self._marks: dict[int, dict[int, tuple[Tensor, int, bool]]] = {}
+        # what no_sync() left unreduced, marked on the shard parameters' .grad for a zero_grad to clear, as DDP's
+        self.marks = NoSyncMarks(units, self.agreements, self.world_size, stats)
         self._reductions = 0  # numbers each reduction's buffers for the stream checker (a unit may reduce twice)
         self._done: set[int] = set()  # ids of units reduced in this backward
         self._trainable_check: Optional[Pending] = None  # the ranks' comparison of what they train, in flight
@@ -129,7 +128,7 @@ class GradientReducer:
                 if dtype != storage.param_dtype:
                     self._done.add(id(unit))
                     storage.unsharded.hold(dtype)
-                self._mark_unreduced(unit)
+                self.marks.mark(unit)
             return
         carried = id(unit) in self._accumulated or (self.sync_replicas and id(unit) in self._unsynced)
         if not (storage.trainable or carried):  # (the same on every rank: what they train is checked)
@@ -168,53 +167,6 @@ class GradientReducer:
         self._pending.append(_Reduction(unit, pending, used, serial))
         if storage.world_size == 1:  # nothing to reduce-scatter: on to the replicas at once
             self._complete_oldest()
-
-    def _mark_unreduced(self, unit: Unit) -> None:
-        """``unit``'s micro-batches are left unreduced: each slot holding some gets a ``.grad`` on its shard parameter
-        (zeros, where it had none), for a ``zero_grad`` to clear as it clears DDP's (:meth:`forget_zeroed`). Its zeros
-        are -0.0: a zero_grad writes +0.0, while a write that keeps the values (``clip_grad_norm_`` below its norm,
-        ``nan_to_num_`` in ``on_after_backward``) keeps the sign, and must not drop the micro-batches."""
-        marks = self._marks.setdefault(id(unit), {})
-        params, new = unit.storage.shard_params, {}
-        for i in unit.storage.unsharded.held_slots() - marks.keys():
-            new[i] = params[i].grad is None
-            if new[i]:
-                params[i].grad = torch.full_like(params[i], -0.0)
-            else:
-                params[i].grad.masked_fill_(params[i].grad == 0, -0.0)
-        # (versions once all are written: the views of one flat gradient share one version counter)
-        marks.update({i: (params[i].grad, params[i].grad._version, made) for i, made in new.items()})
-
-    def forget_zeroed(self) -> None:
-        """Before a backward adds to them, or an optimizer step: the unreduced micro-batches of each slot whose mark a
-        ``zero_grad`` cleared since are dropped (what DDP keeps in ``.grad``); the marks made here come off."""
-        marked, self._marks = self._marks, {}
-        if not marked:  # (every backward and step asks)
-            return
-        zeroed: dict[int, list[int]] = {}
-        empty, evidence = [], False  # (written empty marks; whether any mark with elements was read)
-        for unit in self.units:
-            for i, (mark, version, made) in marked.get(id(unit), {}).items():
-                grad = unit.storage.shard_params[i].grad
-                if grad is not mark:
-                    zeroed.setdefault(id(unit), []).append(i)
-                elif mark._version != version and not mark.numel():
-                    empty.append((unit, i))
-                else:
-                    evidence |= bool(mark.numel())
-                    if mark._version != version and _zeroed(mark):
-                        zeroed.setdefault(id(unit), []).append(i)
-        # an empty shard (its rank holds none of the parameter) has no sign to read: it goes with the others (a
-        # zero_grad clears an optimizer's or a module's parameters together), or where there is none, with its version
-        for unit, i in empty:
-            if zeroed or not evidence:
-                zeroed.setdefault(id(unit), []).append(i)
-        for unit in self.units:
-            for i, (mark, _, made) in marked.get(id(unit), {}).items():
-                if made and i not in zeroed.get(id(unit), ()):
-                    unit.storage.shard_params[i].grad = None
-            if id(unit) in zeroed:
-                unit.storage.unsharded.drop_slots(zeroed[id(unit)])
 
     def compare_trainable(self) -> None:
         """Start comparing the parameters the ranks train (a step's start, before anything is reduced): which units
@@ -387,9 +339,3 @@ def _different_trainables() -> RuntimeError:
         "lightning_shard: ranks train different parameters: `requires_grad` was changed on some ranks only."
         " Freeze or unfreeze parameters on every rank (a callback's hooks run on all of them)."
     )
-
-
-def _zeroed(mark: Tensor) -> bool:
-    """A mark written since (rare: one wait for the device) holds +0.0 everywhere only where a ``zero_grad`` zeroed it
-    (its zeros were -0.0)."""
-    return not bool(torch.logical_or(mark != 0, torch.signbit(mark)).any())
