@@ -80,7 +80,8 @@ def compare(rank: int, world: int, build: Callable[[], nn.Module], step: Step, t
     return {"units": [u.name for u in runtime.units]}
 
 
-def assert_same_grads(sharded: nn.Module, reference: nn.Module, tag: str) -> None:
+def assert_same_grads(sharded: nn.Module, reference: nn.Module, tag: str, rtol: float = RTOL,
+                      atol: float = ATOL) -> None:
     """The full gradients (each parameter's shards in rank order) equal the reference's averaged ones: AdamW alone
     would hide a gradient off by a constant factor."""
     mine = {n: p.grad for n, p in sharded.named_parameters() if p.grad is not None}
@@ -89,14 +90,14 @@ def assert_same_grads(sharded: nn.Module, reference: nn.Module, tag: str) -> Non
     for name, param in reference.named_parameters():
         if param.grad is not None:
             full = torch.cat([grads[name].reshape(-1) for grads in everyone if name in grads])[: param.numel()]
-            torch.testing.assert_close(full, param.grad.reshape(-1), rtol=RTOL, atol=ATOL,
+            torch.testing.assert_close(full, param.grad.reshape(-1), rtol=rtol, atol=atol,
                                        msg=lambda m, n=name: f"[{tag} gradient of {n}: {m}")
 
 
-def assert_same(runtime, reference: nn.Module, tag: str) -> None:
+def assert_same(runtime, reference: nn.Module, tag: str, rtol: float = RTOL, atol: float = ATOL) -> None:
     full = full_state_dict(runtime, rank0_only=False)
     for name, value in reference.state_dict().items():
-        torch.testing.assert_close(full[name], value, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"[{tag}] {n}: {m}")
+        torch.testing.assert_close(full[name], value, rtol=rtol, atol=atol, msg=lambda m, n=name: f"[{tag}] {n}: {m}")
 
 
 def run_all(rank: int, world: int, cases: dict[str, Callable], names: list[str]) -> dict[str, str]:
