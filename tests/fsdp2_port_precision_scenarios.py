@@ -305,3 +305,61 @@ def buffer_dtypes(rank: int, world: int, mode: str, buffer_dtype: Optional[torch
     compare_mixed(rank, world, lambda: nn.Sequential(Scaled(), Scaled()), _plain(out),
                   f"buffers/{buffer_dtype}/{mode}", mode=mode, param_dtype=torch.bfloat16, buffer_dtype=buffer_dtype,
                   units=["Scaled"], cast_inputs_of=(Scaled,))
+
+
+# -- test_fully_shard_grad_scaler.py --------------------------------------------------------------------------------
+def grad_scaler(rank: int, world: int, mode: str, has_inf: bool) -> None:
+    """test_gradient_scaler (1-D): fp16 compute, ShardedGradScaler from 2.0; unscale_ multiplies each gradient shard
+    by exactly 1/scale, every rank's found_inf is the agreed one (an inf on the last rank's shard only, has_inf), the
+    step changes the parameters or leaves them and the optimizer state alone, and the scale backs off or stays."""
+    from torch.amp.grad_scaler import OptState
+
+    from lightning_shard.lightning.precision import ShardedGradScaler
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(4, 4, bias=False) for _ in range(2)))
+    shard_module(model, sharding=mode, units=["Linear"], param_dtype=torch.float16)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    scaler = ShardedGradScaler("cpu", init_scale=2.0)
+    scaler.scale(model(torch.randn(4, 4)).float().sum()).backward()
+    inv_scale = scaler._scale.double().reciprocal().float()
+    first = opt.param_groups[0]["params"][0]
+    if has_inf and rank == world - 1:
+        first.grad[0] = float("inf")
+    initial = [p.grad.clone() for p in model.parameters()]
+    scaler.unscale_(opt)
+    state = scaler._per_optimizer_states[id(opt)]
+    assert [bool(f) for f in state["found_inf_per_device"].values()] == [has_inf], state["found_inf_per_device"]
+    assert state["stage"].value == OptState.UNSCALED.value
+    for p, grad in zip(model.parameters(), initial):
+        torch.testing.assert_close(p.grad, grad * inv_scale, rtol=0, atol=0)
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler.step(opt)
+    changed = [not torch.equal(a, b) for a, b in zip(before, model.parameters())]
+    assert changed == [not has_inf] * len(before), changed
+    assert (len(opt.state) == 0) == has_inf, opt.state
+    scaler.update()
+    assert scaler.get_scale() == (2.0 * scaler.get_backoff_factor() if has_inf else 2.0), scaler.get_scale()
+
+
+# -- test_fully_shard_comm.py ----------------------------------------------------------------------------------------
+def communication_count(rank: int, world: int, mode: str) -> list:
+    """test_fully_shard_communication_count / test_fully_shard_backward_prefetch under bf16 compute with fp32
+    reduction: a step all-gathers each unit once in forward order, again in backward in the reverse order (except
+    the last, kept gathered; none under grad_op), and reduces each unit once, in the reverse order."""
+    torch.manual_seed(0)
+    model = _stack()
+    runtime = shard_module(model, sharding=mode, units=["MLP"], param_dtype=torch.bfloat16,
+                           reduce_dtype=torch.float32)
+    names = [u.name for u in runtime.units]
+    for step in range(2):  # (the first records the order; the second follows it)
+        runtime.trace = []
+        model(torch.randn(2, 8)).sum().backward()
+    backward = [] if mode == "grad_op" else names[::-1][1:]
+    expected = [("all_gather", n) for n in names + backward]
+    gathers = [t for t in runtime.trace if t[0] == "all_gather"]
+    assert gathers == expected, (gathers, expected)
+    reduces = [t for t in runtime.trace if t[0] == "reduce"]
+    assert reduces == [("reduce", n) for n in names[::-1]], reduces
+    assert {op for op, _ in runtime.trace} == {"all_gather", "reduce"}, runtime.trace
+    return runtime.trace

@@ -83,6 +83,11 @@ def _precision_cases(mode: str) -> dict:
         "forward_casts": p(precision.forward_casts, mode=mode),
         "buffers_bf16": p(precision.buffer_dtypes, mode=mode, buffer_dtype=bf16),
         "buffers_kept_fp32": p(precision.buffer_dtypes, mode=mode, buffer_dtype=None),
+        # test_fully_shard_grad_scaler.py
+        "grad_scaler_inf_on_one_rank": p(precision.grad_scaler, mode=mode, has_inf=True),
+        "grad_scaler_finite": p(precision.grad_scaler, mode=mode, has_inf=False),
+        # test_fully_shard_comm.py (the order and count of collectives, not their timing)
+        "communication_count": p(precision.communication_count, mode=mode),
     }
 
 
