@@ -94,10 +94,10 @@ def assert_same_grads(sharded: nn.Module, reference: nn.Module, tag: str, rtol: 
                                        msg=lambda m, n=name: f"[{tag} gradient of {n}: {m}")
 
 
-def assert_same(runtime, reference: nn.Module, tag: str, rtol: float = RTOL, atol: float = ATOL) -> None:
+def assert_same(runtime, reference: nn.Module, tag: str) -> None:
     full = full_state_dict(runtime, rank0_only=False)
     for name, value in reference.state_dict().items():
-        torch.testing.assert_close(full[name], value, rtol=rtol, atol=atol, msg=lambda m, n=name: f"[{tag}] {n}: {m}")
+        torch.testing.assert_close(full[name], value, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"[{tag}] {n}: {m}")
 
 
 def run_all(rank: int, world: int, cases: dict[str, Callable], names: list[str]) -> dict[str, str]:
