@@ -80,7 +80,8 @@ def compare(rank: int, world: int, build: Callable[[], nn.Module], step: Step, t
     return {"units": [u.name for u in runtime.units]}
 
 
-def assert_same_grads(sharded: nn.Module, reference: nn.Module, tag: str) -> None:
+def assert_same_grads(sharded: nn.Module, reference: nn.Module, tag: str, rtol: float = RTOL,
+                      atol: float = ATOL) -> None:
     """The full gradients (each parameter's shards in rank order) equal the reference's averaged ones: AdamW alone
     would hide a gradient off by a constant factor."""
     mine = {n: p.grad for n, p in sharded.named_parameters() if p.grad is not None}
@@ -89,7 +90,7 @@ def assert_same_grads(sharded: nn.Module, reference: nn.Module, tag: str) -> Non
     for name, param in reference.named_parameters():
         if param.grad is not None:
             full = torch.cat([grads[name].reshape(-1) for grads in everyone if name in grads])[: param.numel()]
-            torch.testing.assert_close(full, param.grad.reshape(-1), rtol=RTOL, atol=ATOL,
+            torch.testing.assert_close(full, param.grad.reshape(-1), rtol=rtol, atol=atol,
                                        msg=lambda m, n=name: f"[{tag} gradient of {n}: {m}")
 
 

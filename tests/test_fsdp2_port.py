@@ -8,7 +8,9 @@ from __future__ import annotations
 import functools
 
 import pytest
+import torch
 
+from tests import fsdp2_port_precision_scenarios as precision
 from tests import fsdp2_port_scenarios as autograd
 from tests import fsdp2_port_state_scenarios as state
 from tests import fsdp2_port_step_scenarios as steps
@@ -61,6 +63,34 @@ def _state_cases(mode: str) -> dict:
     }
 
 
+def _precision_cases(mode: str) -> dict:
+    p, bf16, fp16, fp32 = functools.partial, torch.bfloat16, torch.float16, torch.float32
+    return {
+        # test_fully_shard_mixed_precision.py
+        "compute_bf16": p(precision.compute_dtype, mode=mode, dtype=bf16, reduce_dtype=None),
+        "compute_fp16": p(precision.compute_dtype, mode=mode, dtype=fp16, reduce_dtype=None),
+        "compute_bf16_reduce_fp32": p(precision.compute_dtype, mode=mode, dtype=bf16, reduce_dtype=fp32),
+        "compute_bf16_reduce_bf16": p(precision.compute_dtype, mode=mode, dtype=bf16, reduce_dtype=bf16),
+        "reduce_bf16": p(precision.bf16_reduce, mode=mode),
+        "accumulation_bf16_reduce_fp32": p(precision.accumulation, mode=mode, param_dtype=bf16, reduce_dtype=fp32),
+        "accumulation_fp32_reduce_bf16": p(precision.accumulation, mode=mode, param_dtype=None, reduce_dtype=bf16),
+        "accumulation_bf16_reduce_bf16": p(precision.accumulation, mode=mode, param_dtype=bf16, reduce_dtype=bf16),
+        "frozen_first_forward": p(precision.frozen_first_forward, mode=mode),
+        "bitfit_bf16": p(precision.bitfit, mode=mode),
+        "structured_reduce_fp32": p(precision.structured, mode=mode, reduce_dtype=fp32),
+        "structured_reduce_bf16": p(precision.structured, mode=mode, reduce_dtype=bf16),
+        "several_dtypes": p(precision.several_dtypes, mode=mode),
+        "forward_casts": p(precision.forward_casts, mode=mode),
+        "buffers_bf16": p(precision.buffer_dtypes, mode=mode, buffer_dtype=bf16),
+        "buffers_kept_fp32": p(precision.buffer_dtypes, mode=mode, buffer_dtype=None),
+        # test_fully_shard_grad_scaler.py
+        "grad_scaler_inf_on_one_rank": p(precision.grad_scaler, mode=mode, has_inf=True),
+        "grad_scaler_finite": p(precision.grad_scaler, mode=mode, has_inf=False),
+        # test_fully_shard_comm.py (the order and count of collectives, not their timing)
+        "communication_count": p(precision.communication_count, mode=mode),
+    }
+
+
 def _assert_all_ok(results: list[dict]) -> None:
     failed = {name: out for name, out in results[0].items() if out != "ok"}
     assert not failed, "\n\n".join(f"{name}: {out}" for name, out in failed.items())
@@ -72,7 +102,7 @@ def _assert_errors_name(scenario, what: str) -> None:
 
 
 def _run(rank: int, world: int, mode: str, which: str) -> dict:
-    cases = (_cases if which == "training" else _state_cases)(mode)
+    cases = {"training": _cases, "state": _state_cases, "precision": _precision_cases}[which](mode)
     return run_all(rank, world, cases, list(cases))
 
 
@@ -84,6 +114,11 @@ def test_fsdp2_training_scenarios_match_one_process(mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_fsdp2_state_scenarios_match_one_process_at_3_ranks(mode):
     _assert_all_ok(run_world(_run, 3, mode, "state", timeout=280))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fsdp2_mixed_precision_scenarios_match_one_process_computing_the_same(mode):
+    _assert_all_ok(run_world(_run, 2, mode, "precision", timeout=280))
 
 
 @pytest.mark.parametrize("mode,where", [("full", "before_forward"), ("full", "after_forward"),

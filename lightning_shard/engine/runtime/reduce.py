@@ -125,7 +125,9 @@ class GradientReducer:
             if storage.trainable:
                 self._accumulated.add(id(unit))
                 dtype = self.reduce_dtype or storage.master_dtype
-                if dtype != storage.param_dtype:
+                # summed apart only in a reduction dtype finer than the compute's: a coarser one (fp32 compute,
+                # reduce_dtype=bf16) sums in the fp32 .grad and casts once at the reduction, as DDP and FSDP2
+                if torch.finfo(dtype).eps < torch.finfo(storage.param_dtype).eps:
                     self._done.add(id(unit))
                     storage.unsharded.hold(dtype)
                 self.marks.mark(unit)
