@@ -68,8 +68,8 @@ def test_the_model_applied_to_its_own_output_matches_ddp(mode):
 @pytest.mark.xfail(strict=True, reason=(
     "torch.autograd.grad(loss, [model[0].weight, ...]) on a model sharded 'full' raises torch's 'The "
     "differentiated Tensor at index 0 appears to not have been used in the graph': the graph holds the gathered "
-    "parameters, the module attributes are the 1-D shards; the error names neither sharding nor what to differentiate instead (DDP returns "
-    "each rank's own gradients)"))
+    "parameters, the module attributes are the 1-D shards; the error names neither sharding nor what to "
+    "differentiate instead (DDP returns each rank's own gradients)"))
 def test_autograd_grad_over_the_parameters_returns_the_local_gradients_like_ddp():
     assert run_world(s.autograd_grad_on_parameters, 2, "full", timeout=200) == ["", ""]
 
