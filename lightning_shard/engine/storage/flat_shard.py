@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from lightning_shard.engine.storage.outside import GatheredParameters, ShardParameters
 from lightning_shard.engine.storage.slots import ParamSlot, _refuse_autograd_grads
-from lightning_shard.engine.storage.unsharded_grads import UnshardedGrads
+from lightning_shard.engine.storage.unsharded_grads import UnshardedGrads, refuse_sparse
 
 
 class FlatShard:
@@ -300,6 +300,7 @@ class FlatShard:
             flat, used, _ = self.unsharded.take(reduce_dtype)
             self.accumulate_shard_grad(flat, used)
             return
+        refuse_sparse([p.grad for p in self.gathered_params])
         for gathered, shard in zip(self.gathered_params, self.shard_params):
             grad = gathered.grad
             if grad is None:

@@ -36,6 +36,7 @@ class UnshardedGrads:
         the gradients taken, which the caller keeps alive until the stream that read them has been waited for.
         """
         grads = [param.grad for param in self.params]
+        refuse_sparse(grads)
         for param in self.params:
             param.grad = None
         used = [i for i, grad in enumerate(grads) if grad is not None]
@@ -87,3 +88,14 @@ class UnshardedGrads:
     def drop(self) -> None:
         """A backward failed: the micro-batches' sums go with it (as their ``.grad`` would)."""
         self._held = None
+
+
+def refuse_sparse(grads: list[Optional[Tensor]]) -> None:
+    """A sparse gradient from a functional call (``F.embedding(..., sparse=True)``; nn.Embedding(sparse=True) is refused
+    at setup) fits no flat buffer: stopped here, naming it, not by torch's 'unsupported memory format' or 'reshape is
+    not implemented for sparse tensors'. Every rank runs the same model, so every rank stops here."""
+    if any(grad is not None and grad.layout != torch.strided for grad in grads):
+        raise RuntimeError("lightning_shard: a parameter of a sharded unit received a sparse gradient (a functional"
+                           " `F.embedding(..., sparse=True)` / `F.embedding_bag(..., sparse=True)` or a torch.sparse op"
+                           " on the parameter), which cannot be sharded or reduce-scattered: call it with sparse=False"
+                           " (the default), whose dense gradient any torch.optim optimizer takes.")
