@@ -222,18 +222,20 @@ def non_scalar_backward(rank, world, mode):
 
 
 def model_applied_twice(rank, world, mode) -> str:
-    """``model(model(x))``, one backward (DDP allows it with find_unused_parameters or static_graph). Returns ''
-    or the failure."""
-    def step(net, x, i, side):
-        loss = net(net(x)).sum()
-        loss.backward()
-        return loss
+    """``model(model(x))``, one backward (DDP allows it with find_unused_parameters or static_graph). Returns '' or
+    the failure."""
+    forms = {"model(model(x))": lambda net, x: net(net(x))}
+    for name, form in forms.items():
+        def step(net, x, i, side, form=form):
+            loss = form(net, x).sum()
+            loss.backward()
+            return loss
 
-    try:
-        against_ddp(rank, world, lambda: nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)), step,
-                    f"model_applied_twice/{mode}", sharding=mode, units=["Linear"])
-    except AssertionError as err:
-        return str(err)
+        try:
+            against_ddp(rank, world, lambda: nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)), step,
+                        f"{name}/{mode}", sharding=mode, units=["Linear"])
+        except AssertionError as err:
+            return str(err)
     return ""
 
 
@@ -363,3 +365,22 @@ def functional_sparse_gradient(rank, world) -> str:
     except Exception as err:  # noqa: BLE001 (the message is the result)
         return f"{type(err).__name__}: {err}"
     return ""
+
+
+def unit_called_before_the_root(rank, world, mode) -> dict:
+    """``model(tanh(model[0](x)))``: a unit called outside any step, its output fed to the root's forward, one
+    backward; SGD (lr 1) on the averaged gradients against one process on the global batch. Returns each
+    parameter's largest difference."""
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    model = copy.deepcopy(reference)
+    runtime = shard_module(model, sharding=mode, units=["Linear"])
+    x = torch.randn(2 * world, 4, generator=torch.Generator().manual_seed(1))
+    model(torch.tanh(model[0](x.chunk(world)[rank]))).sum().backward()
+    reference(torch.tanh(reference[0](x))).sum().backward()
+    for p in reference.parameters():
+        p.grad /= world
+    torch.optim.SGD(model.parameters(), lr=1.0).step()
+    torch.optim.SGD(reference.parameters(), lr=1.0).step()
+    state = full_state_dict(runtime, rank0_only=False)
+    return {k: float((state[k] - v).abs().max()) for k, v in reference.state_dict().items()}

@@ -269,6 +269,8 @@ class ShardRuntime(StepScope, HeldUnits, ModelEntries, RuntimeOptimizers, Runtim
         keep_for_backward = grad_enabled and bool(order) and unit is order[-1]
         # a recomputation inside backward: the unit's backward follows at once and frees it
         recomputing = self._final_callback_queued
+        if grad_enabled and self._depth == 0 and not recomputing:  # called outside any step (model(block(x))): the
+            self._forward_awaits_backward = True  # next step's start is no new step for this call, its backward to come
         if (module is unit.members[-1] and not keep_for_backward and not recomputing and not unit.read_outside
                 and (unit.reshard_after_forward or not grad_enabled)):
             self.schedule.reshard(unit, keep_storage=self._backward_graph_kept)
@@ -309,7 +311,7 @@ class ShardRuntime(StepScope, HeldUnits, ModelEntries, RuntimeOptimizers, Runtim
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
     def _finish_backward(self) -> None:
-        self._final_callback_queued = False
+        self._final_callback_queued = self._forward_awaits_backward = False
         self._backward_graph_kept |= torch.is_grad_enabled()  # create_graph=True: keep what its graph reads
         try:
             if self.host_stepper is not None and self.host_stepper.armed is not None:
@@ -345,7 +347,7 @@ class ShardRuntime(StepScope, HeldUnits, ModelEntries, RuntimeOptimizers, Runtim
     def _recover_from_failed_backward(self) -> None:
         """A backward raised (e.g. a caught out-of-memory) before its final callback ran: drop its partial
         gradients and in-flight reductions, so that the next step starts clean."""
-        self._final_callback_queued = False
+        self._final_callback_queued = self._forward_awaits_backward = False
         self._backward_graph_kept = False
         self.reducer.abandon()
         if self.host_stepper is not None:

@@ -17,6 +17,10 @@ from lightning_shard.engine.runtime.backward_watch import refuse_unseen_gradient
 
 
 class StepScope:
+    # a forward's output awaits its backward (a root call of ``model(model(x))``, of ``model(a) + model(b)``): the next
+    # root call is no new step for the units' calls, whose backward is still to come
+    _forward_awaits_backward = False
+
     def run_step(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run one ``*_step`` as the root's scope (see the module note)."""
         self._steps_driven = True
@@ -55,8 +59,9 @@ class StepScope:
                 self.schedule.reshard(unit, keep_storage=self._backward_graph_kept)
                 if self.restage_each_step:
                     unit.storage.shards_changed()  # offload: copied from the master again, whatever wrote it since
-                unit.forget_calls()
-                unit.read_outside = unit.returned_parameters = False
+                if not self._forward_awaits_backward:
+                    unit.forget_calls()
+                    unit.read_outside = unit.returned_parameters = False
             for unit in self.units:
                 self._follow_requires_grad(unit)
             if step and self.world_size > 1 and torch.is_grad_enabled():
@@ -90,5 +95,7 @@ class StepScope:
                 self.schedule.reshard(unit, keep_storage=self._backward_graph_kept)
             if self._joined_by_all and not failed:  # (a backward compares them as it ends)
                 self.schedule.compare_issued(self.groups.agreements)
-        elif self.root_unit is not None:  # gathered again should a backward begin after one freed it (retain_graph)
+            return
+        self._forward_awaits_backward = True
+        if self.root_unit is not None:  # gathered again should a backward begin after one freed it (retain_graph)
             watch_outputs(output, lambda _: self._pre_backward(self.root_unit))
