@@ -305,6 +305,10 @@ class ShardRuntime(StepScope, HeldUnits, ModelEntries, RuntimeOptimizers, Runtim
     def _start_backward(self, _param: Optional[Tensor]) -> None:  # also a post-accumulate-grad hook (_watch_parameters)
         if not self._final_callback_queued:
             self._final_callback_queued = True
+            # what trains is what requires grad now, as autograd's own accumulation reads it: a pass since the
+            # unit's forward may have frozen it for its own use and unfrozen it after (peft's disable_adapter())
+            for unit in self.units:
+                self._follow_requires_grad(unit)
             # before this backward adds to what no_sync() left (inside it, the intact marks stay)
             self.reducer.marks.forget_zeroed(keep=not self.reducer.sync_grads)
             self.schedule.start_backward()
