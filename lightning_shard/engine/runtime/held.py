@@ -13,6 +13,7 @@ written back when freed, as a step's are: gather.py.)"""
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Optional
@@ -63,7 +64,8 @@ class HeldUnits:
         them (generate to different lengths) without waiting for one another. Forwards without gradients only.
         It costs :meth:`held_bytes` for as long as it lasts: the whole model's parameters in the gather dtype.
 
-        Writes to the parameters inside are kept with ``modifier_rank`` (a rank of the runtime's group): that rank's
+        Writes to the parameters inside (in place, ``p.data = t``, or another Parameter object of the same shape and
+        dtype in a parameter's place: peft's ``merge_adapter()``) are kept with ``modifier_rank`` (a rank of the runtime's group): that rank's
         values are written back into the shards on exit (one broadcast per unit), on every rank; computing in a
         lower dtype, only the elements it wrote change their masters. Without it a write is an error on exit, on
         every rank, naming the parameters (their version counters, and each rank's part of the buffers compared with
@@ -90,8 +92,9 @@ class HeldUnits:
         versions = _versions(self.units)
         try:
             yield
+            replaced = self._adopt_replaced()
             if modifier_rank is None:
-                self._refuse_writes(versions)
+                self._refuse_writes(versions, replaced)
             else:
                 self._write_back(modifier_rank)
         finally:
@@ -102,8 +105,33 @@ class HeldUnits:
     _modifier_rank: Optional[int] = None
 
     @torch.no_grad()
-    def _refuse_writes(self, versions: list[list[int]]) -> None:
-        written = [int(flag) for unit, before in zip(self.units, versions) for flag in _slots_written(unit, before)]
+    def _adopt_replaced(self) -> set[str]:
+        """What code gave the held parameters in other tensors (``p.data = t``) or other Parameter objects
+        (``module.weight = nn.Parameter(t)``, peft's merge on a 4-bit base) is in the gathered buffers, as a write in
+        place would be: before they are compared, or the modifier's broadcast; the names of those replaced."""
+        replaced: set[str] = set()
+        for unit in self.units:
+            replaced.update(unit.storage.adopt_replaced_gathered())
+            unit.storage.adopt_rebound_gathered()
+        # a 4-bit weight replaced by one dequantizing to another dtype (peft's merge) changes how the unit computes:
+        # the same on every rank, or an error on every rank
+        dtypes = [zlib.crc32(str(slot.quant.dtype).encode()) for unit in self.units for slot in unit.storage.slots
+                  if getattr(slot, "quant", None) is not None]
+        if dtypes and self.world_size > 1:
+            mine = collectives.fingerprint(dtypes)
+            high, low = collectives.agree(torch.tensor([mine, -mine]), self.group, self.stats,
+                                          label="agreement on the 4-bit weights' dtypes").tolist()
+            if high != -low:
+                raise RuntimeError(
+                    "lightning_shard: 4-bit weights were replaced inside keep_gathered() on some ranks only by weights"
+                    " that dequantize to another dtype (peft's merge_adapter() does so): run the same code on every"
+                    " rank inside keep_gathered().")
+        return replaced
+
+    @torch.no_grad()
+    def _refuse_writes(self, versions: list[list[int]], replaced: set[str]) -> None:
+        written = [int(flag or slot.names[0] in replaced) for unit, before in zip(self.units, versions)
+                   for flag, slot in zip(_slots_written(unit, before), unit.storage.slots)]
         if self.world_size > 1 and written:
             written = collectives.agree(torch.tensor(written, dtype=torch.int64), self.group, self.stats,
                                         label="agreement on the parameters written in keep_gathered()").tolist()
@@ -111,7 +139,7 @@ class HeldUnits:
         written_names = [name for name, flag in zip(names, written) if flag]
         if written_names:
             raise RuntimeError(
-                f"lightning_shard: {written_names[:4]} were written inside keep_gathered(), in the gathered copies it"
+                f"lightning_shard: {written_names[:4]} were written (or replaced) inside keep_gathered(), in the gathered copies it"
                 " frees on exit, so the write would be lost. Pass keep_gathered(modifier_rank=0) to write that rank's"
                 " values back into every rank's shards (as DeepSpeed's GatheredParameters(modifier_rank=0)), or write"
                 " between steps through the optimizer's parameters.")

@@ -19,6 +19,7 @@ master dtype.
 from __future__ import annotations
 
 import weakref
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -285,6 +286,21 @@ class MixedShard(FlatShard):
 
     def _shard_view(self, i: int) -> Tensor:
         return self._master_view(self.shard, i, *self.param_range(self.slots[i], self.rank))
+
+    def _adopt_replacement(self, i: int, new: Optional[Tensor]) -> None:
+        """A packed 4-bit weight's replacement (a re-quantized ``Params4bit``) brings its bytes and its quantization
+        state, each into its slot; anything else, its values."""
+        slot = self.slots[i]
+        if slot.quant is None or new is None:
+            return super()._adopt_replacement(i, new)
+        spec, values = quantized.replacement(new, slot.quant)
+        if spec.dtype != slot.quant.dtype:  # (the same on every rank that ran the same code: held.py checks it)
+            self.slots[i] = replace(slot, quant=spec)
+            self.gathered_params[i].quant_state.dtype = spec.dtype
+        states = {s.names[0]: j for j, s in enumerate(self.slots)}
+        for key, value in values.items():
+            view = self._gathered_view(i if key is None else states[slot.quant.state_name(key)])
+            view.copy_(value.reshape(view.shape))
 
     def write_back(self) -> None:
         """This rank's part of the gathered bytes into its shard, where code wrote the gathered copy (``p.data.clamp_()``,

@@ -18,7 +18,7 @@ weights when double quantization is off.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import torch
@@ -163,6 +163,21 @@ def params4bit(data: Tensor, spec: QuantSpec, states: dict[str, Tensor], module:
     return Params4bit(data, requires_grad=False, quant_state=quant_state(spec, states), blocksize=spec.blocksize,
                       compress_statistics=spec.nested, quant_type=spec.quant_type, quant_storage=spec.quant_storage,
                       module=module, bnb_quantized=True)
+
+
+def replacement(new: Any, spec: QuantSpec) -> tuple[QuantSpec, dict[Optional[str], Tensor]]:
+    """What a ``Params4bit`` put in place of a gathered packed weight (peft's merge re-quantizes it) holds, by state key
+    (``None``: the packed data), and its spec; refused where it is quantized otherwise than the slot. Its ``dtype``,
+    what dequantization gives back, may differ (peft's merge quantizes base + adapter, promoted to the adapter's)."""
+    if not is_params4bit(new) or new.is_meta or not new.bnb_quantized:
+        raise RuntimeError(f"lightning_shard: the packed 4-bit weight {spec.weight!r} was replaced by a"
+                           f" {type(new).__name__} that is not a quantized bitsandbytes Params4bit: a sharded 4-bit"
+                           " weight can only be replaced by one quantized as it is (shape, blocksize, type, storage).")
+    theirs, data, tensors = describe(new, spec.weight)
+    if replace(theirs, dtype=spec.dtype) != spec:
+        raise RuntimeError(f"lightning_shard: the packed 4-bit weight {spec.weight!r} was replaced by one quantized as"
+                           f" {theirs}, where the sharded model's is {spec}: quantize the replacement as the model is.")
+    return theirs, {None: data, **dict(tensors)}
 
 
 def adopt(module: nn.Module, weight: Any) -> None:
