@@ -139,8 +139,9 @@ class HeldUnits:
         written_names = [name for name, flag in zip(names, written) if flag]
         if written_names:
             raise RuntimeError(
-                f"lightning_shard: {written_names[:4]} were written (or replaced) inside keep_gathered(), in the gathered copies it"
-                " frees on exit, so the write would be lost. Pass keep_gathered(modifier_rank=0) to write that rank's"
+                f"lightning_shard: {written_names[:4]} were written inside keep_gathered() (in place, through `.data`, or"
+                " by another Parameter object put in their place), in the gathered copies it frees on exit, so the"
+                " write would be lost. Pass keep_gathered(modifier_rank=0) to write that rank's"
                 " values back into every rank's shards (as DeepSpeed's GatheredParameters(modifier_rank=0)), or write"
                 " between steps through the optimizer's parameters.")
 

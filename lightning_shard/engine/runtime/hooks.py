@@ -40,9 +40,10 @@ from lightning_shard.engine.runtime.gather import GatherSchedule
 from lightning_shard.engine.runtime.guards import ModuleGuards
 from lightning_shard.engine.runtime.held import HeldUnits
 from lightning_shard.engine.runtime.reduce import GradientReducer
+from lightning_shard.engine.runtime.returned import keep_returned
 from lightning_shard.engine.runtime.step_figures import StepFigures
 from lightning_shard.engine.runtime.step_scope import StepScope
-from lightning_shard.engine.storage.outside import OutsideReads, keep_returned
+from lightning_shard.engine.storage.outside import OutsideReads
 from lightning_shard.engine.storage.unit import Unit
 
 # Set to 1 (the test suite does) to check on the CPU that every hand-over between streams is in place.
