@@ -33,8 +33,8 @@ BACKEND = "lightning_shard_sim"
 class Simulation:
     topology: Topology
     occupancy: Occupancy
-    # kind -> [calls, bytes (nccl-tests' size), modeled seconds]
-    ledger: dict[str, list[float]] = field(default_factory=lambda: defaultdict(lambda: [0, 0, 0.0]))
+    # kind -> [calls, bytes (nccl-tests' size), modeled seconds, bytes the stand-ins wrote]
+    ledger: dict[str, list[float]] = field(default_factory=lambda: defaultdict(lambda: [0, 0, 0.0, 0]))
 
     def reset_ledger(self) -> None:
         self.ledger.clear()
@@ -136,6 +136,7 @@ class SimulatedGroup(dist.ProcessGroup):
         entry[0] += 1
         entry[1] += size
         entry[2] += seconds
+        entry[3] += written
         return sim.occupancy.occupy(self.link.name, seconds, device, written, result)
 
     # -- the collectives the engine and FSDP2 use ---------------------------------------------------------------
