@@ -9,14 +9,15 @@ Each collective moves no data: its outputs are stand-ins (standins.py: what ever
 this rank's values) and it occupies the stream it is issued on for the time the cost model gives (links.py,
 occupancy.py). Shards are 1/N of their real size and gathered units whole, so this rank's memory is real. Groups built
 later (``new_group``, a 2-D ``DeviceMesh``) are simulated too: a group within one node uses the node's link, one
-spanning nodes the network's. ``ledger`` counts every collective: calls, bytes and modeled seconds per kind.
+spanning nodes the network's. ``ledger`` counts every collective: calls, bytes, modeled seconds and the stand-ins'
+device writes per kind; ``links`` calls and seconds per link.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -35,9 +36,11 @@ class Simulation:
     occupancy: Occupancy
     # kind -> [calls, bytes (nccl-tests' size), modeled seconds, bytes the stand-ins wrote]
     ledger: dict[str, list[float]] = field(default_factory=lambda: defaultdict(lambda: [0, 0, 0.0, 0]))
+    links: dict[str, list[float]] = field(default_factory=lambda: defaultdict(lambda: [0, 0.0]))  # calls, seconds
 
     def reset_ledger(self) -> None:
         self.ledger.clear()
+        self.links.clear()
 
 
 _simulation: Optional[Simulation] = None
@@ -50,13 +53,15 @@ def simulation() -> Simulation:
     return _simulation
 
 
-def configure(node: str = "h100-nvlink", network: str = "ib-ndr", per_node: int = 8,
+def configure(node: Union[str, Link] = "h100-nvlink", network: Union[str, Link] = "ib-ndr", per_node: int = 8,
               sharing: str = "serial") -> Simulation:
-    """What the groups built from now on simulate: ``node`` link within ``per_node`` ranks, ``network`` across."""
+    """What the groups built from now on simulate: ``node`` link within ``per_node`` ranks, ``network`` across (a
+    preset's name, or a :class:`Link` of one's own)."""
     global _simulation
     if per_node < 1:
         raise ValueError(f"per_node must be >= 1, got {per_node}")
-    _simulation = Simulation(Topology(link(node), link(network), per_node), Occupancy(sharing))
+    node, network = (x if isinstance(x, Link) else link(x) for x in (node, network))
+    _simulation = Simulation(Topology(node, network, per_node), Occupancy(sharing))
     register()
     return _simulation
 
@@ -66,7 +71,8 @@ def register() -> None:
         dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
 
 
-def start(world: int, rank: int = 0, link: str = "h100-nvlink", network: str = "ib-ndr", per_node: int = 8,
+def start(world: int, rank: int = 0, link: Union[str, Link] = "h100-nvlink", network: Union[str, Link] = "ib-ndr",
+          per_node: int = 8,
           sharing: str = "serial", device: Optional[torch.device] = None) -> Simulation:
     """Configure the simulation and make it the default process group: this process is ``rank`` of ``world``. On a
     CUDA ``device`` the spin kernel is calibrated here, before any training work is queued."""
@@ -137,6 +143,9 @@ class SimulatedGroup(dist.ProcessGroup):
         entry[1] += size
         entry[2] += seconds
         entry[3] += written
+        on = sim.links[self.link.name]
+        on[0] += 1
+        on[1] += seconds
         return sim.occupancy.occupy(self.link.name, seconds, device, written, result)
 
     # -- the collectives the engine and FSDP2 use ---------------------------------------------------------------
