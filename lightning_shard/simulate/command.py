@@ -70,9 +70,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     cuda = torch.cuda.is_available()
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if cuda else "cpu",
                         help="where this rank runs (default: cuda where there is one)")
-    parser.add_argument("--model", choices=tuple(MODELS), default=None,
+    parser.add_argument("--model", nargs="+", choices=tuple(MODELS), default=None,
                         help="; ".join(f"{p.name}: {p.what}" for p in MODELS.values())
-                        + " (default: gpt-small on cpu, llama-840m on cuda)")
+                        + " (default: gpt-small on cpu, llama-840m on cuda); several: one report each, in turn")
     parser.add_argument("--world", type=at_least(1), default=8, help="simulated ranks (default: 8)")
     parser.add_argument("--link", choices=NODE_LINKS, default="h100-nvlink",
                         help="; ".join(f"{n}: {LINKS[n].what}" for n in NODE_LINKS) + " (default: h100-nvlink)")
@@ -105,10 +105,20 @@ def main(argv: Optional[list[str]] = None) -> None:
         print("FSDP2 left out: it offloads parameters, gradients and optimizer state together (--offload params)")
         if not args.strategies:
             parser.error("--offload optimizer: only ours offloads the optimizer alone")
-    args.model = args.model or ("llama-840m" if args.device == "cuda" else "gpt-small")
+    models = args.model or (["llama-840m"] if args.device == "cuda" else ["gpt-small"])
+    args.steps = args.steps or (5 if args.device == "cuda" else 3)
+    reports = []
+    for name in dict.fromkeys(models):
+        reports.append(_simulate(argparse.Namespace(**{**vars(args), "model": name})))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(reports, f, indent=1, default=str)
+
+
+def _simulate(args: argparse.Namespace) -> dict:
+    """One model's runs and its report (printed)."""
     preset = MODELS[args.model]
     args.seq, args.batch = args.seq or preset.seq, args.batch or preset.batch
-    args.steps = args.steps or (5 if args.device == "cuda" else 3)
     layers = [args.layers or preset.layers]
     if preset.full_layers and args.layers is None:  # two depths, scaled to the whole model (table.py)
         layers = [max(1, preset.layers // 2), preset.layers]
@@ -117,14 +127,12 @@ def main(argv: Optional[list[str]] = None) -> None:
         for name, spec in _specs(args, depth):
             result = run_in_process(spec)
             results.setdefault(name, []).append(result)
-            print(f"{name} at {depth} layers: step {result['step']:.4f} s", flush=True)
+            print(f"{preset.name} {name} at {depth} layers: step {result['step']:.4f} s", flush=True)
     header = (f"{preset.name}, world {args.world} on {args.link} ({args.sharing} link), {args.precision},"
               f" offload {args.offload}, sequence {args.seq}, local batch {args.batch}; this rank on"
               f" {_first(results)['device_name']}; torch {torch.__version__}, python {platform.python_version()}")
-    print(format_report(results, args, preset, header), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"header": header, "args": vars(args), "runs": results}, f, indent=1, default=str)
+    print(format_report(results, args, preset, header) + "\n", flush=True)
+    return {"header": header, "args": vars(args), "runs": results}
 
 
 def _first(results: dict[str, list[dict]]) -> dict[str, Any]:
