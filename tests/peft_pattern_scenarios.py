@@ -104,3 +104,69 @@ def tied_by_views(rank: int, world: int, on_meta: bool) -> str:
     except ValueError as err:
         return str(err)
     return "nothing raised"
+
+
+def dora_on_meta(rank: int, world: int, folder: str) -> dict[str, float]:
+    """DoRA on a base built on the meta device under ShardStrategy, the base loaded by slices in ``on_fit_start``
+    (it was refused at setup: "Cannot materialise ... lora_magnitude_vector"): its magnitudes after the load against
+    ``get_peft_model`` on ``from_pretrained``'s base (one process), and two AdamW steps against DDP from there."""
+    import lightning as L
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lightning_shard import ShardStrategy, load_pretrained
+    from tests.world import as_lightning_rank
+
+    as_lightning_rank(rank, world)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], use_dora=True)
+    ids = torch.randint(0, 96, (2 * world, 10), generator=torch.Generator().manual_seed(4))
+
+    class DoRA(L.LightningModule):
+        def __init__(self, on_meta: bool) -> None:
+            super().__init__()
+            self.on_meta, self.model, self.after_load, self.losses = on_meta, None, None, []
+
+        def configure_model(self) -> None:
+            if self.model is None:
+                if self.on_meta:
+                    base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+                else:
+                    base = AutoModelForCausalLM.from_pretrained(folder)
+                self.model = get_peft_model(base, lora)
+
+        def on_fit_start(self) -> None:
+            if self.on_meta:
+                load_pretrained(self, folder)
+                runtime = self.trainer.strategy.runtime
+                self.after_load = {k: v for k, v in full_state_dict(runtime, rank0_only=False).items()}
+
+        def training_step(self, batch, _):
+            loss = self.model(input_ids=batch, labels=batch, use_cache=False).loss
+            self.losses.append(float(loss.detach()))
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
+
+    fits = {}
+    for name, on_meta, strategy in (("sharded", True, ShardStrategy(units=["LlamaDecoderLayer"])),
+                                    ("ddp", False, "ddp")):
+        torch.manual_seed(0)
+        module = DoRA(on_meta)
+        if not on_meta:  # the same adapters as the sharded run drew (rank 0's), A and B: only the base comes from disk
+            module.configure_model()
+            adapters = {k.removeprefix("model."): v for k, v in fits["sharded"]["after_load"].items() if "lora_" in k}
+            assert not module.model.load_state_dict(adapters, strict=False).unexpected_keys
+            fits["reference magnitudes"] = {n: p.detach().clone() for n, p in module.model.named_parameters()
+                                            if "lora_magnitude_vector" in n}
+        trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=2, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            use_distributed_sampler=False)
+        trainer.fit(module, torch.utils.data.DataLoader([ids.chunk(world)[rank]] * 2, batch_size=None))
+        state = (full_state_dict(trainer.strategy.runtime, rank0_only=False) if on_meta
+                 else {f"model.{k}": v for k, v in module.model.state_dict().items()})
+        fits[name] = {"after_load": module.after_load, "state": state, "losses": module.losses}
+    loaded = fits["sharded"]["after_load"]
+    magnitudes = {n: float((loaded[f"model.{n}"] - v).abs().max()) for n, v in fits["reference magnitudes"].items()}
+    trained = max(float((fits["sharded"]["state"][k] - v).abs().max()) for k, v in fits["ddp"]["state"].items())
+    return {"magnitudes": max(magnitudes.values()), "count": len(magnitudes), "after two steps": trained}

@@ -14,6 +14,7 @@ from torch import nn
 
 from lightning_shard.checkpoint import conversion, hf
 from lightning_shard.checkpoint.files import CheckpointError
+from lightning_shard.checkpoint.peft_meta import magnitudes_from_base
 from lightning_shard.checkpoint.sources import ADAPTER_CONFIG, RenamedSource, open_weights
 from lightning_shard.checkpoint.weights import load_into
 from lightning_shard.engine.shard_module import sharded_root_of
@@ -78,6 +79,8 @@ def load_pretrained(module: nn.Module, path: Union[str, Path], strict: bool = Tr
             missing = [name[len(at):] for name in missing]  # (load_into's are the root's names, under `at`)
         else:
             missing, unexpected = _load_unsharded(module, source, strict, not_expected)
+        if not any("lora_magnitude_vector" in name for name in source.names()):  # a base: DoRA's magnitudes from it
+            magnitudes_from_base(_at(module, prefix), runtime)
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     fresh = _outside_base(module, prefix) if prefix in _base_models(module) else []
     if fresh and rank0:

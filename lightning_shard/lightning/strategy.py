@@ -22,7 +22,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_debug, rank_zero_inf
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_shard.checkpoint.hf import init_peft_adapters
+from lightning_shard.checkpoint.peft_meta import (
+    forget_placeholders,
+    init_dora_magnitudes,
+    init_peft_adapters,
+    prepare_dora_on_meta,
+)
 from lightning_shard.checkpoint.io import validate_state_dict_type
 from lightning_shard.engine.comm.groups import validate_shard_size, validate_sharding
 from lightning_shard.engine.optim.optimizer_step import DEFAULT_STEP_GROUP_NUMEL
@@ -233,6 +238,7 @@ class ShardStrategy(ProcessGroupMixin, EvaluationHold, CheckpointState, Parallel
             self.model_to_device()
             policy = self.mixed_precision or self.precision_plugin.policy
             from_meta = any(p.is_meta for p in self.model.parameters())
+            placeholders = prepare_dora_on_meta(self.model) if from_meta else []
             self.runtime = shard_module(
                 self.model, sharding=self.sharding, units=self.units, unit_size=self.unit_size,
                 min_unit_size=self.min_unit_size, prefetch=self.prefetch,
@@ -243,8 +249,11 @@ class ShardStrategy(ProcessGroupMixin, EvaluationHold, CheckpointState, Parallel
                 compile=False if self.compile is None else self.compile, offload=self.offload,
                 shard_size=(self.shard_size or self.num_processes) if self.sharding == "hybrid" else None,
             )
+            forget_placeholders(placeholders)
             if from_meta and init_peft_adapters(self.runtime):  # not the generic init materialising gave them
                 rank_zero_info("lightning_shard: the peft adapters built on the meta device got peft's own init.")
+            if placeholders:  # from the base as materialised; load_pretrained computes them again from a folder
+                init_dora_magnitudes(self.runtime, self.model)
             rank_zero_info(plan_summary(self.runtime, self.sharding, self.world_size))
             rank_zero_debug("lightning_shard units:\n" + plan_listing(self.runtime))
         self.runtime.apply_checks = [partial(refuse_other_strategies, self.model, ShardStrategy)]

@@ -58,7 +58,7 @@ class HeldUnits:
         self._buffers_stale = False
 
     @contextmanager
-    def keep_gathered(self, modifier_rank: Optional[int] = None) -> Iterator[None]:
+    def keep_gathered(self, modifier_rank: Optional[int] = None, units: Optional[list[Unit]] = None) -> Iterator[None]:
         """Hold every unit gathered for a whole evaluation or generation loop. Every rank must enter (one
         all-gather per unit); inside, forwards run no collective at all, so ranks may run different numbers of
         them (generate to different lengths) without waiting for one another. Forwards without gradients only.
@@ -69,7 +69,9 @@ class HeldUnits:
         values are written back into the shards on exit (one broadcast per unit), on every rank; computing in a
         lower dtype, only the elements it wrote change their masters. Without it a write is an error on exit, on
         every rank, naming the parameters (their version counters, and each rank's part of the buffers compared with
-        its shard; one tiny all-reduce). Leaving by an exception runs no collective: writes are then lost."""
+        its shard; one tiny all-reduce). Leaving by an exception runs no collective: writes are then lost. ``units``:
+        only these (the same on every rank), one at a time for work that reads a unit's whole parameters (DoRA's
+        magnitudes from the loaded base)."""
         if modifier_rank is not None and (not isinstance(modifier_rank, int) or isinstance(modifier_rank, bool)
                                           or not 0 <= modifier_rank < self.world_size):
             raise ValueError(f"lightning_shard: keep_gathered(modifier_rank=...) takes a rank of the runtime's group,"
@@ -86,36 +88,37 @@ class HeldUnits:
         if self.broadcast_buffers and self._buffers_stale:
             self.sync_buffers()
             self._buffers_stale = False
-        for unit in self.units:
+        held = self.units if units is None else list(units)
+        for unit in held:
             self.schedule.gather(unit)
         self._held, self._modifier_rank = True, modifier_rank
-        versions = _versions(self.units)
+        versions = _versions(held)
         try:
             yield
-            replaced = self._adopt_replaced()
+            replaced = self._adopt_replaced(held)
             if modifier_rank is None:
-                self._refuse_writes(versions, replaced)
+                self._refuse_writes(held, versions, replaced)
             else:
-                self._write_back(modifier_rank)
+                self._write_back(held, modifier_rank)
         finally:
             self._held = False
-            for unit in self.units:
+            for unit in held:
                 self.schedule.reshard(unit)
 
     _modifier_rank: Optional[int] = None
 
     @torch.no_grad()
-    def _adopt_replaced(self) -> set[str]:
+    def _adopt_replaced(self, held: list[Unit]) -> set[str]:
         """What code gave the held parameters in other tensors (``p.data = t``) or other Parameter objects
         (``module.weight = nn.Parameter(t)``, peft's merge on a 4-bit base) is in the gathered buffers, as a write in
         place would be: before they are compared, or the modifier's broadcast; the names of those replaced."""
         replaced: set[str] = set()
-        for unit in self.units:
+        for unit in held:
             replaced.update(unit.storage.adopt_replaced_gathered())
             unit.storage.adopt_rebound_gathered()
         # a 4-bit weight replaced by one dequantizing to another dtype (peft's merge) changes how the unit computes:
         # the same on every rank, or an error on every rank
-        dtypes = [zlib.crc32(str(slot.quant.dtype).encode()) for unit in self.units for slot in unit.storage.slots
+        dtypes = [zlib.crc32(str(slot.quant.dtype).encode()) for unit in held for slot in unit.storage.slots
                   if getattr(slot, "quant", None) is not None]
         if dtypes and self.world_size > 1:
             mine = collectives.fingerprint(dtypes)
@@ -129,13 +132,13 @@ class HeldUnits:
         return replaced
 
     @torch.no_grad()
-    def _refuse_writes(self, versions: list[list[int]], replaced: set[str]) -> None:
-        written = [int(flag or slot.names[0] in replaced) for unit, before in zip(self.units, versions)
+    def _refuse_writes(self, held: list[Unit], versions: list[list[int]], replaced: set[str]) -> None:
+        written = [int(flag or slot.names[0] in replaced) for unit, before in zip(held, versions)
                    for flag, slot in zip(_slots_written(unit, before), unit.storage.slots)]
         if self.world_size > 1 and written:
             written = collectives.agree(torch.tensor(written, dtype=torch.int64), self.group, self.stats,
                                         label="agreement on the parameters written in keep_gathered()").tolist()
-        names = [slot.names[0] for unit in self.units for slot in unit.storage.slots]
+        names = [slot.names[0] for unit in held for slot in unit.storage.slots]
         written_names = [name for name, flag in zip(names, written) if flag]
         if written_names:
             raise RuntimeError(
@@ -146,8 +149,8 @@ class HeldUnits:
                 " between steps through the optimizer's parameters.")
 
     @torch.no_grad()
-    def _write_back(self, modifier_rank: int) -> None:
-        for unit in self.units:
+    def _write_back(self, held: list[Unit], modifier_rank: int) -> None:
+        for unit in held:
             storage = unit.storage
             if self.world_size > 1:  # the modifier's whole buffer to every rank of every replica
                 collectives.broadcast(storage.gathered_data, self.group, self.stats, src=modifier_rank,
