@@ -360,16 +360,20 @@ class MixedUnshardedGrads(UnshardedGrads):
         self._held_layout = self.storage._grad_layout()[0]
 
     def drop_slots(self, slots: list[int]) -> None:
-        """The held sum is laid out by rank, each rank's part of each slot: forgotten whole where every slot it holds
-        was cleared; in part, refused."""
+        """The held sum is laid out by rank, each rank's part of each slot: the slots cleared (one optimizer's
+        parameters of a unit holding both a GAN's networks) are zeroed in every rank's part."""
         if self._held is None:
             return super().drop_slots(slots)
-        if self._held[1] - set(slots):
-            raise RuntimeError(
-                f"lightning_shard: zero_grad cleared the gradients accumulated inside no_sync() of some of the"
-                f" parameters of {self.storage.slots[0].names[0]!r}'s unit only, whose dtypes are held together:"
-                " clear them all (optimizer.zero_grad(), model.zero_grad()) or none.")
-        self._held = None
+        flat, used = self._held
+        parts, _, longest = self.storage._layout_of(self._held_layout)
+        dropped = set(slots)
+        for rank, pieces in enumerate(parts):
+            at = rank * longest
+            for i, (lo, hi) in zip(self._held_layout, pieces):
+                if i in dropped:
+                    flat[at : at + hi - lo].zero_()
+                at += hi - lo
+        used.difference_update(dropped)
 
 
 class HostMixedShard(HostShard, MixedShard):
