@@ -58,6 +58,30 @@ class HeldUnits:
         self._buffers_stale = False
 
     @contextmanager
+    def rank0_buffers(self, everywhere: bool = True) -> Iterator[None]:
+        """Rank 0's buffers in the module tree while the block runs (a checkpoint writes them; DCP from any one rank),
+        on every rank (``everywhere``) or on rank 0 alone. Every rank must enter it. With ``broadcast_buffers`` they are
+        made rank 0's in place, for good, as DDP's next forward would. Without, each rank's own come back after the
+        block: DDP's ``state_dict()`` reads the buffers and changes none, so each rank keeps its running statistics."""
+        if self.broadcast_buffers or self.world_size == 1:
+            self.sync_buffers()
+            yield
+            return
+        if not everywhere:  # rank 0's own are rank 0's
+            yield
+            return
+        owners = [(module, name, buffer) for module in self.root.modules()
+                  for name, buffer in module._buffers.items() if buffer is not None]
+        for module, name, buffer in owners:
+            module._buffers[name] = buffer.clone()
+        try:
+            self.sync_buffers()
+            yield
+        finally:
+            for module, name, buffer in owners:
+                module._buffers[name] = buffer
+
+    @contextmanager
     def keep_gathered(self, modifier_rank: Optional[int] = None, units: Optional[list[Unit]] = None) -> Iterator[None]:
         """Hold every unit gathered for a whole evaluation or generation loop. Every rank must enter (one
         all-gather per unit); inside, forwards run no collective at all, so ranks may run different numbers of
