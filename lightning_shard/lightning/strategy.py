@@ -22,8 +22,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_debug, rank_zero_inf
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_shard.checkpoint.from_pretrained import built
 from lightning_shard.checkpoint.hf import init_peft_adapters
 from lightning_shard.checkpoint.io import validate_state_dict_type
+from lightning_shard.checkpoint.pretrained import load_pretrained
 from lightning_shard.engine.comm.groups import validate_shard_size, validate_sharding
 from lightning_shard.engine.optim.optimizer_step import DEFAULT_STEP_GROUP_NUMEL
 from lightning_shard.engine.optim.optimizers import WHOLE, optimizer_kind
@@ -244,7 +246,10 @@ class ShardStrategy(ProcessGroupMixin, EvaluationHold, CheckpointState, Parallel
                 shard_size=(self.shard_size or self.num_processes) if self.sharding == "hybrid" else None,
             )
             if from_meta and init_peft_adapters(self.runtime):  # not the generic init materialising gave them
-                rank_zero_info("lightning_shard: the peft adapters built on the meta device got peft's own init.")
+                rank_zero_debug("lightning_shard: the peft adapters built on the meta device initialised as peft"
+                                " initialises them (init_lora_weights), not by their layers' generic init.")
+            if built(self.model):  # models from lightning_shard.from_pretrained: their folders, now that they are sharded
+                load_pretrained(self.model)
             rank_zero_info(plan_summary(self.runtime, self.sharding, self.world_size))
             rank_zero_debug("lightning_shard units:\n" + plan_listing(self.runtime))
         self.runtime.apply_checks = [partial(refuse_other_strategies, self.model, ShardStrategy)]
