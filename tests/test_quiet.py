@@ -35,13 +35,15 @@ def test_only_lightnings_noise_is_filtered():
 
 
 def test_transformers_deprecation_that_peft_trips_is_filtered_where_transformers_raises_it_only():
-    deprecated = "`is_gradient_checkpointing` is deprecated and will be removed in v6."
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         quiet()
-        warnings.warn_explicit(deprecated, FutureWarning, "modeling_utils.py", 1, module="transformers.modeling_utils")
-        warnings.warn_explicit(deprecated, FutureWarning, "mine.py", 1, module="mine")  # not transformers' own
-    assert [w.filename for w in seen] == ["mine.py"]
+        for name in ("is_gradient_checkpointing", "gradient_checkpointing_enable"):
+            deprecated = f"`{name}` is deprecated and will be removed in v6."
+            warnings.warn_explicit(deprecated, FutureWarning, "modeling_utils.py", 1,
+                                   module="transformers.modeling_utils")
+            warnings.warn_explicit(deprecated, FutureWarning, "mine.py", 1, module="mine")  # not transformers' own
+    assert [w.filename for w in seen] == ["mine.py", "mine.py"]
 
 
 def test_the_bitsandbytes_kernels_note_is_filtered_not_its_other_warnings():

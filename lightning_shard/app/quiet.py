@@ -25,10 +25,11 @@ def quiet() -> None:
     # test about Lightning's code, which nothing in a user's code or config can change
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
                             category=FutureWarning)
-    # peft's get_peft_model reads transformers 5's deprecated `is_gradient_checkpointing` (a FutureWarning per
-    # process, pointing into transformers): peft's business, not the user's
-    warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning,
-                            module=r"transformers\.modeling_utils")
+    # peft's get_peft_model and prepare_model_for_kbit_training call transformers 5's deprecated
+    # `is_gradient_checkpointing` and `gradient_checkpointing_enable` (a FutureWarning per process, pointing into
+    # transformers): peft's business, not the user's
+    warnings.filterwarnings("ignore", message=r"`(is_)?gradient_checkpointing(_enable)?` is deprecated",
+                            category=FutureWarning, module=r"transformers\.modeling_utils")
     # Lightning advertises its cloud services on every run ("💡 Tip: ... litlogger", "... litmodels"); the
     # rank-zero logger is named after whichever of fabric and pytorch was imported last
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
