@@ -331,3 +331,38 @@ def test_the_qlora_recipe_of_hf_md_runs_and_its_adapter_reloads_to_the_sharded_l
                           env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
     assert float(proc.stdout.split("max |logits difference|")[1].split()[0]) == 0.0, proc.stdout[-2000:]
+
+
+# -- figures read from the code ------------------------------------------------------------------------------------
+SWEEP = (400000, 1600000, 3200000, 12800000)  # README's and docs/hydra.md's sweep command
+
+
+def test_the_setup_reports_and_sweep_figures_the_pages_quote_are_what_the_code_gives(tmp_path):
+    """The quick start's setup report in README, the sweep's GPT (parameters, blocks, units per unit size, setup
+    estimates) in README and docs/hydra.md, and the plan docs/options.md shows: as the app's configs give them at
+    setup on 2 ranks today."""
+    from tests import docs_scenarios
+    from tests.world import run_world
+
+    runs = [[]] + [["experiment=unit_size_sweep", f"strategy.unit_size={size}"] for size in SWEEP]
+    quick_start, *sweep = run_world(docs_scenarios.setup_reports, 2, runs, str(tmp_path), timeout=280)[0]
+    readme, hydra = README.read_text(), (ROOT / "docs" / "hydra.md").read_text()
+    shown = [body.strip() for lang, body in FENCE.findall(section(README, "Quick start")) if not lang]
+    assert shown == [quick_start], (shown, quick_start)
+    options = [body.strip() for lang, body in FENCE.findall((ROOT / "docs" / "options.md").read_text())
+               if body.startswith("lightning_shard: sharding=")]
+    one_block = sweep[SWEEP.index(3200000)]
+    assert options == [one_block.split("\nlightning_shard: estimated")[0]], (options, one_block)
+    parameters = {re.search(r"units over 2 ranks, ([\d.]+M) parameters", r).group(1) for r in sweep}
+    blocks, block_size = re.search(r"(\d+) x Block +([\d.]+M) parameters each", one_block).groups()
+    assert len(parameters) == 1
+    total = parameters.pop()
+    assert f"the benchmark GPT, {total} parameters, 2 ranks" in readme
+    assert f"{total} parameters with the text's vocabulary: {blocks} blocks of {block_size}" in hydra
+    units = {size: int(re.search(r"(\d+) units over", r).group(1)) for size, r in zip(SWEEP, sweep)}
+    for page in (readme, hydra):
+        rows = {int(size.replace(",", "")): int(n)
+                for size, n in re.findall(r"^\| ([\d,]+)(?: \([^)]*\))? \| (\d+) \|", page, re.M)}
+        assert rows == units, (rows, units)
+    estimates = [re.search(r"before activations ([\d.]+) MiB", r).group(1) for r in sweep]
+    assert f"the setup estimates: {', '.join(estimates[:-1])} and {estimates[-1]} MiB per rank" in hydra

@@ -40,8 +40,9 @@ def nothing_to_look_up(stderr: str) -> list[str]:
 
 def test_train_gpt_example_trains_on_two_processes(tmp_path):
     proc = run_example(tmp_path, "train_gpt.py", "--max-steps", "4", "--width", "32", "--depth", "2", "--seq", "32",
-                       "--batch", "4")
-    assert "step     1" in proc.stdout, proc.stdout[-2000:]
+                       "--batch", "4", warnings_shown=True)
+    assert "step     1" in proc.stdout and "sample: 'The " in proc.stdout, proc.stdout[-2000:]
+    assert nothing_to_look_up(proc.stderr) == [], proc.stderr[-3000:]
 
 
 def test_hf_lora_example_reloads_its_adapter_with_the_sharded_models_logits(tmp_path):
