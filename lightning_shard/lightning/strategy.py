@@ -22,13 +22,15 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_debug, rank_zero_inf
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_shard.checkpoint.from_pretrained import built
+from lightning_shard.checkpoint.io import validate_state_dict_type
 from lightning_shard.checkpoint.peft_meta import (
     forget_placeholders,
     init_dora_magnitudes,
     init_peft_adapters,
     prepare_dora_on_meta,
 )
-from lightning_shard.checkpoint.io import validate_state_dict_type
+from lightning_shard.checkpoint.pretrained import load_pretrained
 from lightning_shard.engine.comm.groups import validate_shard_size, validate_sharding
 from lightning_shard.engine.optim.optimizer_step import DEFAULT_STEP_GROUP_NUMEL
 from lightning_shard.engine.optim.optimizers import WHOLE, optimizer_kind
@@ -251,8 +253,11 @@ class ShardStrategy(ProcessGroupMixin, EvaluationHold, CheckpointState, Parallel
             )
             forget_placeholders(placeholders)
             if from_meta and init_peft_adapters(self.runtime):  # not the generic init materialising gave them
-                rank_zero_info("lightning_shard: the peft adapters built on the meta device got peft's own init.")
-            if placeholders:  # from the base as materialised; load_pretrained computes them again from a folder
+                rank_zero_debug("lightning_shard: the peft adapters built on the meta device initialised as peft"
+                                " initialises them (init_lora_weights), not by their layers' generic init.")
+            if built(self.model):  # models from lightning_shard.from_pretrained: their folders, now that they are sharded
+                load_pretrained(self.model)  # (DoRA's magnitudes from the base loaded: peft_meta.py)
+            elif placeholders:  # DoRA's magnitudes from the base as materialised (load_pretrained computes them again)
                 init_dora_magnitudes(self.runtime, self.model)
             rank_zero_info(plan_summary(self.runtime, self.sharding, self.world_size))
             rank_zero_debug("lightning_shard units:\n" + plan_listing(self.runtime))
