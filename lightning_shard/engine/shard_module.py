@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_shard.engine.comm.groups import build_groups, validate_shard_size, validate_sharding
+from lightning_shard.engine.plan.gathers import GatherDtypes, validate_cast_params
 from lightning_shard.engine.plan.materialize import Materializer
 from lightning_shard.engine.plan.plan import (
     UnitPlan,
@@ -72,6 +73,7 @@ def shard_module(
     shard_size: Optional[int] = None,
     mesh: Optional[DeviceMesh] = None,
     offload: Optional[str] = None,
+    cast_params: str = "all",
 ) -> ShardRuntime:
     """Shard ``module``'s parameters across ``group`` and install the hooks that gather them on use.
 
@@ -83,7 +85,8 @@ def shard_module(
     of ``shard_size`` consecutive ranks (default: LOCAL_WORLD_SIZE, the devices per node), replicated across
     them; or over the given 2-D ``mesh`` (replicate, shard) (engine/comm/groups.py). ``offload="optimizer"`` or
     ``"params"``: the master shards, their gradients and the optimizer state in host memory, stepped by the CPU
-    (engine/storage/offload.py).
+    (engine/storage/offload.py). ``cast_params``: which parameters are gathered in ``param_dtype``, every floating
+    one or (``"autocast"``) those autocast would cast to it, the others in their own dtype (engine/plan/gathers.py).
     """
     validate_sharding(sharding)
     offload = validate_offload(offload)
@@ -94,13 +97,14 @@ def shard_module(
     refuse_with_elision(compile_options, elide_backward_gathers)
     activation_checkpointing = validate_activation_checkpointing(activation_checkpointing)
     min_unit_size = validate_min_unit_size(min_unit_size, unit_size)
+    cast_params = validate_cast_params(cast_params)
     options = {
         "sharding": sharding, "units": _spec_names(units), "unit_size": unit_size, "min_unit_size": min_unit_size,
         "param_dtype": param_dtype,
         "reduce_dtype": reduce_dtype, "buffer_dtype": buffer_dtype, "prefetch": prefetch, "nonfinite": nonfinite,
         "elide_backward_gathers": elide_backward_gathers,
         "activation_checkpointing": _spec_names(activation_checkpointing), "broadcast_buffers": broadcast_buffers,
-        "compile": compile_options, "shard_size": shard_size, "offload": offload,
+        "compile": compile_options, "shard_size": shard_size, "offload": offload, "cast_params": cast_params,
     }
     existing = getattr(module, "_shard_runtime", None)
     if existing is not None:
@@ -116,6 +120,7 @@ def shard_module(
     refuse_sparse_gradients(module)
     refuse_aliased_parameters(module)
     full_precision = full_precision_classes(param_dtype)
+    gathers = GatherDtypes(module, param_dtype, cast_params)
     plans = plan_units(module, units=units, unit_size=unit_size, min_unit_size=min_unit_size, own_units=full_precision)
     if world > 1:
         _check_ranks_agree(plans, group)
@@ -145,9 +150,13 @@ def shard_module(
         members = [module.get_submodule(name) for name in plan.members]
         computes_in = None if not is_root and all(isinstance(m, full_precision) for m in members) else param_dtype
         refuse_mixed_devices(plan)
-        mixed = is_mixed(plan)
-        slots, flat = (flatten_mixed(module, plan, computes_in, _fqn, groups.shard_size, trainable_loads) if mixed
-                       else _flatten(module, plan))
+        unit_gathers = gathers.for_unit([p for p, _ in plan.params])
+        mixed = is_mixed(plan, unit_gathers if computes_in is not None else None)
+        if not mixed and computes_in is not None:  # one gather dtype: the parameters' own where autocast casts none
+            first, locations = plan.params[0]
+            computes_in = None if unit_gathers.of(first, locations) == first.dtype else computes_in
+        slots, flat = (flatten_mixed(module, plan, computes_in, _fqn, groups.shard_size, trainable_loads, unit_gathers)
+                       if mixed else _flatten(module, plan))
         for slot in slots.slots if mixed else slots:
             for owner, _ in slot.locations:
                 adopt(owner)  # before the storage records the dict its parameters are registered in

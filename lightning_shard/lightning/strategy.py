@@ -245,6 +245,7 @@ class ShardStrategy(ProcessGroupMixin, EvaluationHold, CheckpointState, Parallel
                 self.model, sharding=self.sharding, units=self.units, unit_size=self.unit_size,
                 min_unit_size=self.min_unit_size, prefetch=self.prefetch,
                 param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype, buffer_dtype=policy.buffer_dtype,
+                cast_params=policy.cast_params,
                 nonfinite=self.nonfinite, device=self.root_device,
                 activation_checkpointing=self.activation_checkpointing,
                 elide_backward_gathers=self.elide_backward_gathers, broadcast_buffers=self.broadcast_buffers,
