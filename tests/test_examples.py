@@ -1,5 +1,5 @@
 """The examples, each run at a tiny size: the scripts in examples/ (ShardStrategy from plain Python; the Hugging Face
-LoRA journey), pretrained MiniLM weights in our encoder, and the fine-tuning experiment."""
+LoRA and preference-tuning journeys), pretrained MiniLM weights in our encoder, and the fine-tuning experiment."""
 
 from __future__ import annotations
 
@@ -80,6 +80,23 @@ def test_qlora_example_trains_a_4bit_base_and_reloads_its_adapter_with_the_shard
     assert sorted(p.name for p in out.iterdir()) == ["adapter", "merged", "summary.json", "tiny-llama"]
     assert (out / "adapter" / "adapter_config.json").is_file() and (out / "merged" / "config.json").is_file()
     assert nothing_to_look_up(proc.stderr) == [], proc.stderr[-3000:]
+
+
+def test_dpo_lora_example_matches_one_process_and_its_check_can_fail(tmp_path):
+    """DPO with LoRA at 2 ranks, the reference through disable_adapter(): the script trains the same model again in one
+    process on the global batches and fails where the adapter or the losses differ by more than 1e-6 (fp32); with its
+    reference's start moved by 1e-4 it must fail."""
+    pytest.importorskip("peft", reason="needs the test extra")
+    tiny = ["--out", str(tmp_path / "out"), "--steps", "4", "--prompt", "16", "--completion", "8", "--batch", "2"]
+    proc = run_example(tmp_path, "dpo_lora.py", *tiny)
+    adapter, loss = (float(x.split()[0].rstrip(",")) for x in proc.stdout.split("| ")[1:3])
+    assert adapter <= 1e-6 and loss <= 1e-6, proc.stdout[-2000:]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["adapter", "tiny-llama"]
+    perturbed = subprocess.run([sys.executable, str(EXAMPLES / "dpo_lora.py"), *tiny, "--perturb-reference", "1e-4"],
+                               cwd=tmp_path, capture_output=True, text=True, timeout=800,
+                               env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert perturbed.returncode != 0 and "differs from one process by" in perturbed.stderr, (
+        perturbed.stdout[-2000:] + perturbed.stderr[-3000:])
 
 
 @needs_examples_extra
