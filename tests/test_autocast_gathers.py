@@ -42,3 +42,32 @@ def test_gathering_every_parameter_in_bf16_differs_from_ddp_under_autocast(cast_
     r = run_world(s.against_ddp, 2, "llama", str(tmp_path), cast_params, timeout=550)[0]
     assert r["losses"][0] != r["ddp_losses"][0] and r["weights"] > 1e-4, r
     assert r["gathered"]["model.model.embed_tokens.weight"] == "torch.bfloat16", r["gathered"]
+
+
+def test_autocast_gathers_move_at_most_15_percent_more_bytes_than_all_bf16_on_the_840m_llama():
+    """The 840M Llama shape of `python -m lightning_shard.bench --device cuda --model hf-llama` (16 layers, hidden
+    2048, vocab 32000, untied), built on the meta device and counted, not trained: a step all-gathers each layer
+    twice (forward, backward) but the last (kept for the backward it begins), and the root once (its embedding in fp32
+    under "autocast", 2 bytes a parameter more)."""
+    from argparse import Namespace
+
+    import torch
+
+    from lightning_shard.engine.plan.gathers import GatherDtypes
+    from lightning_shard.engine.plan.plan import plan_units
+    from lightning_shard.tools.bench_models import build_model
+
+    with torch.device("meta"):
+        model = build_model(Namespace(model="hf-llama", depth=16, width=2048, heads=16, seq=1024, vocab=32000))
+    plans = [plan for plan in plan_units(model, units=["LlamaDecoderLayer"]) if plan.params]
+    assert 0.8e9 < sum(plan.numel() for plan in plans) < 0.9e9
+
+    def step_bytes(cast_params: str) -> int:
+        gathers = GatherDtypes(model, torch.bfloat16, cast_params)
+        per_unit = [sum(p.numel() * gathers.of(p, loc).itemsize for p, loc in plan.params) for plan in plans]
+        roots = [i for i, plan in enumerate(plans) if plan.members == [""]]
+        layers = [b for i, b in enumerate(per_unit) if i not in roots]
+        return 2 * sum(layers) - layers[-1] + sum(per_unit[i] for i in roots)
+
+    ratio = step_bytes("autocast") / step_bytes("all")
+    assert 1.0 < ratio <= 1.15, ratio
