@@ -134,3 +134,22 @@ def lora_merged_inside(rank: int, world: int, base: str) -> dict[str, float]:
         out[name] = float((logits.float() - expected.float()).abs().max())
         out[f"{name}: the merge's effect"] = float((before.float() - expected.float()).abs().max())
     return out
+
+
+def quant_state_kept(rank: int, world: int, base: str) -> str:
+    """A 4-bit weight's quantization state kept from inside keep_gathered() and read after it (it read the freed
+    gathered buffer: a segfault); read inside, it is the weight's."""
+    from tests.qlora_scenarios import qlora_model
+
+    model = qlora_model(base, "nf4", "uint8", True)
+    runtime = shard_module(model, units=["LlamaDecoderLayer"])
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj.base_layer
+    with runtime.keep_gathered():
+        state = layer.weight.quant_state
+        inside = float(state.absmax.float().abs().sum()) + float(state.state2.absmax.abs().sum())
+    assert inside > 0
+    try:
+        state.absmax.float().sum()
+    except RuntimeError as err:
+        return str(err)
+    return "nothing raised"

@@ -41,3 +41,10 @@ def test_peft_merge_inside_keep_gathered_gives_one_process_merged_logits(tmp_pat
     for off in run_world(s.lora_merged_inside, 2, str(tmp_path), timeout=250):
         assert off["bf16 base"] == 0.0 and off["4-bit base"] == 0.0, off
         assert off["bf16 base: the merge's effect"] > 1e-3 and off["4-bit base: the merge's effect"] > 1e-2, off
+
+
+def test_a_quantization_state_read_after_keep_gathered_is_an_error_not_a_segfault(tmp_path):
+    write_base(str(tmp_path))
+    for message in run_world(s.quant_state_kept, 2, str(tmp_path), timeout=200):
+        assert "quantization state of 'base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight' was read" \
+            " after its unit was freed" in message, message

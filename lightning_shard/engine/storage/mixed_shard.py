@@ -130,11 +130,14 @@ class MixedShard(FlatShard):
                 continue
             states = {key: by_name[slot.quant.state_name(key)] for key in slot.quant.keys}
             owner = slot.locations[0][0] if slot.locations else None
-            weight = quantized.params4bit(view, slot.quant, states, owner)
+            weight = quantized.params4bit(view, slot.quant, states, owner, alive=self._gathered_alive)
             for module, _ in slot.locations:
                 quantized.adopt(module, weight)
             params.append(weight)
         return params
+
+    def _gathered_alive(self) -> bool:
+        return self._allocated
 
     def master_values(self, gathered_masters: Tensor) -> list[Tensor]:
         """Each slot's full master values (its shape), out of every rank's master shard gathered rank-major."""
