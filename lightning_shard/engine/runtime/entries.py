@@ -52,7 +52,7 @@ class ModelEntries:
     def _enter_below_root(self) -> None:
         # outside a step, and not a recomputation inside backward (a backward that raised left its flag: the scope
         # opened here recovers from it, as a call of the root does)
-        opens = self._depth == 0 and (not self._final_callback_queued or not in_backward())
+        opens = self.state.depth == 0 and (not self.state.backward_running or not in_backward())
         self._entries.append(opens)  # first: an error entering still pops it as the call ends
         if opens:
             self._enter_step(step=not self._steps_driven)

@@ -100,13 +100,13 @@ class HeldUnits:
                                           or not 0 <= modifier_rank < self.world_size):
             raise ValueError(f"lightning_shard: keep_gathered(modifier_rank=...) takes a rank of the runtime's group,"
                              f" 0 to {self.world_size - 1} (or None: writes refused); got {modifier_rank!r}.")
-        if self._held:  # nested: the outer one holds them, and decides what becomes of writes
+        if self.state.held:  # nested: the outer one holds them, and decides what becomes of writes
             if modifier_rank is not None and modifier_rank != self._modifier_rank:
                 raise ValueError("lightning_shard: a keep_gathered(modifier_rank=...) nested in another that does not"
                                  " give the same modifier_rank: give it to the outermost one, which writes back.")
             yield
             return
-        if self._depth or self._final_callback_queued:
+        if self.state.depth or self.state.backward_running:
             raise RuntimeError("lightning_shard: keep_gathered() entered inside a step or a backward; enter it"
                                " between steps, on every rank.")
         if self.broadcast_buffers and self._buffers_stale:
@@ -115,7 +115,8 @@ class HeldUnits:
         held = self.units if units is None else list(units)
         for unit in held:
             self.schedule.gather(unit)
-        self._held, self._modifier_rank = True, modifier_rank
+        self.state.hold()
+        self._modifier_rank = modifier_rank
         versions = _versions(held)
         try:
             yield
@@ -125,7 +126,7 @@ class HeldUnits:
             else:
                 self._write_back(held, modifier_rank)
         finally:
-            self._held = False
+            self.state.release()
             for unit in held:
                 self.schedule.reshard(unit)
 

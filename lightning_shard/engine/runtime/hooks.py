@@ -44,6 +44,7 @@ from lightning_shard.engine.runtime.reduce import GradientReducer
 from lightning_shard.engine.runtime.returned import keep_returned
 from lightning_shard.engine.runtime.step_figures import StepFigures
 from lightning_shard.engine.runtime.step_scope import StepScope
+from lightning_shard.engine.runtime.step_state import StepState
 from lightning_shard.engine.storage.outside import OutsideReads
 from lightning_shard.engine.storage.unit import Unit
 
@@ -72,7 +73,6 @@ class ShardRuntime(StepScope, HeldUnits, ModelEntries, RuntimeOptimizers, Runtim
         self.world_size = groups.world_size
         self.shard_group_ranks = groups.shard_ranks
         self.nonfinite = nonfinite  # None, "skip" or "error": what a non-finite gradient does
-        self.steps_done = 0
         self.skipped_steps = 0
         self.stats = CommStats()
         device = units[0].storage.device if units else torch.device("cpu")
@@ -88,20 +88,17 @@ class ShardRuntime(StepScope, HeldUnits, ModelEntries, RuntimeOptimizers, Runtim
                              else None)
         self.reducer.host_stepper = self.host_stepper
         self.restage_each_step = True  # offload: staging copies made again at each step's first gathers (offload.py)
-        self._depth = 0  # nesting of steps / root forwards
-        self._joined_by_all = False  # the step now running is run by every rank (_enter_step)
-        self._final_callback_queued = False  # a backward is running
-        # a create_graph=True backward ran: its graph reads the gathered buffers again (a penalty backpropagated with the
-        # loss, or after it), so none is freed until an optimizer step (forwards in between gather the same values into
-        # them); each backward until then reduces at its end only: the kept graph adds to a unit's gradients after the
-        # unit's own backward
-        self._backward_graph_kept = False
+        # where the step is, how deep its scopes nest, what it keeps (step_state.py). A create_graph=True backward's
+        # graph (state.graph_kept) reads the gathered buffers again (a penalty backpropagated with the loss, or after
+        # it), so none is freed until an optimizer step (forwards in between gather the same values into them); each
+        # backward until then reduces at its end only: the kept graph adds to a unit's gradients after the unit's own
+        # backward
+        self.state = StepState()
         self._handles: list[Any] = []
         self._watched: set[int] = set()  # ids of gathered parameters with a post-accumulate-grad hook
         self.broadcast_buffers = broadcast_buffers
         self._buffers_stale = False  # the ranks' buffers may differ (a training step updated them locally)
         self._steps_driven = False  # run_step is in use: a bare root forward is not a step
-        self._held = False  # inside keep_gathered(): every unit gathered, forwards run no collective
         self.undo: list[Callable[[], None]] = []  # restores what was wrapped at setup (activation checkpointing)
         self.optimizers = OptimizerAttachment(units, groups, self.stats, root, self.host_stepper)
         self.optimizers.before_step = lambda: refuse_unseen_gradients(units, self.reducer, "an optimizer step")
@@ -122,6 +119,11 @@ class ShardRuntime(StepScope, HeldUnits, ModelEntries, RuntimeOptimizers, Runtim
         self.schedule.trace = value
 
     @property
+    def steps_done(self) -> int:
+        """Optimizer steps taken (step_state.py)."""
+        return self.state.steps_done
+
+    @property
     def order(self) -> list[Unit]:
         """The forward order of units on the last step."""
         return self.schedule.order
@@ -130,8 +132,8 @@ class ShardRuntime(StepScope, HeldUnits, ModelEntries, RuntimeOptimizers, Runtim
         """Close the step's communication figures; re-gather units still gathered (manual optimization)."""
         self.streams.writes(*(("shard", unit.name) for unit in self.units))  # the optimizer, on compute
         self.figures.close_part()
-        self.steps_done += 1
-        if self._backward_graph_kept:  # the shards changed under the kept graph: it is done with
+        self.state.optimizer_stepped()
+        if self.state.graph_kept:  # the shards changed under the kept graph: it is done with
             self._free_after_backward()
         for unit in (u for u in self.units if u.read_outside and not u.is_gathered):  # kept for a reader's backward
             self.schedule.reshard(unit)
@@ -227,12 +229,13 @@ class ShardRuntime(StepScope, HeldUnits, ModelEntries, RuntimeOptimizers, Runtim
     def _pre_forward(self, unit: Unit, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
         self._follow_requires_grad(unit)
         self.autocast_casts.before_forward()
-        if not self._held:
-            self.schedule.gather(unit, exposed=not self._final_callback_queued)
-            if not self._final_callback_queued:  # not a recomputation inside backward
+        state = self.state
+        if not state.held:
+            self.schedule.gather(unit, exposed=not state.backward_running)
+            if not state.backward_running:  # not a recomputation inside backward
                 self.schedule.forward_reached(unit)
         cast = needs_cast(unit)
-        watch = (unit.watches_backward_end and not self._held and torch.is_grad_enabled()
+        watch = (unit.watches_backward_end and not state.held and torch.is_grad_enabled()
                  and not self._recomputing_for_saved_tensors(unit))
         arguments = None  # the arguments as they are
         if cast or watch:
@@ -246,7 +249,8 @@ class ShardRuntime(StepScope, HeldUnits, ModelEntries, RuntimeOptimizers, Runtim
 
     def _gather_for_reader(self, unit: Unit) -> bool:
         """A module outside ``unit`` looked up one of its parameters: gathered where a step or a backward runs."""
-        if self._held or not (self._depth > 0 or (self._final_callback_queued and in_backward())):
+        state = self.state
+        if state.held or not (state.depth > 0 or (state.backward_running and in_backward())):
             return False
         self._follow_requires_grad(unit)
         self.schedule.gather(unit)
@@ -258,13 +262,14 @@ class ShardRuntime(StepScope, HeldUnits, ModelEntries, RuntimeOptimizers, Runtim
     def _recomputing_for_saved_tensors(self, unit: Unit) -> bool:
         """A call inside backward of a unit whose backward is still to come: a non-reentrant checkpoint
         recomputing saved tensors. Its graph is never run backward, so it gets no backward hooks."""
-        return self._final_callback_queued and unit.backward_pending > 0
+        return self.state.backward_running and unit.backward_pending > 0
 
     def _post_forward(self, unit: Unit, module: nn.Module, output: Any) -> Any:
         if not unit.storage.aliases_shard:  # its gathered buffer is freed: what it returns of it is copied
             output, carries = keep_returned(output, unit.storage.gathered_ids)
             unit.returned_parameters |= carries
-        if self._held:
+        state = self.state
+        if state.held:
             return output
         grad_enabled = torch.is_grad_enabled()
         order = self.schedule.order
@@ -272,12 +277,12 @@ class ShardRuntime(StepScope, HeldUnits, ModelEntries, RuntimeOptimizers, Runtim
         # whether or not elision would skip it: that is agreed only at the end of forward)
         keep_for_backward = grad_enabled and bool(order) and unit is order[-1]
         # a recomputation inside backward: the unit's backward follows at once and frees it
-        recomputing = self._final_callback_queued
-        if grad_enabled and self._depth == 0 and not recomputing:  # called outside any step (model(block(x))): the
-            self._forward_awaits_backward = True  # next step's start is no new step for this call, its backward to come
+        recomputing = state.backward_running
+        if grad_enabled and state.depth == 0 and not recomputing:  # called outside any step (model(block(x))): the
+            state.await_backward()  # next step's start is no new step for this call, its backward to come
         if (module is unit.members[-1] and not keep_for_backward and not recomputing and not unit.read_outside
                 and (unit.reshard_after_forward or not grad_enabled)):
-            self.schedule.reshard(unit, keep_storage=self._backward_graph_kept)
+            self.schedule.reshard(unit, keep_storage=state.graph_kept)
         if grad_enabled and not self._recomputing_for_saved_tensors(unit):
             if not watch_outputs(output, lambda _: self._pre_backward(unit), unit.call_began) \
                     and not unit.parameters_watched and unit.storage.trainable:
@@ -297,7 +302,7 @@ class ShardRuntime(StepScope, HeldUnits, ModelEntries, RuntimeOptimizers, Runtim
 
     def _post_backward(self, unit: Unit) -> None:
         self._start_backward(None)  # (a backward through a unit's inputs only: a penalty's, an auxiliary loss's)
-        if self._backward_graph_kept or torch.is_grad_enabled():  # (grad mode in backward: create_graph=True)
+        if self.state.graph_kept or torch.is_grad_enabled():  # (grad mode in backward: create_graph=True)
             return  # reduced, and freed, at the end of backward: a node of the kept graph may still read or add to it
         unit.backward_pending -= 1
         if unit.backward_pending > 0 or unit.unseen_backward or unit.read_outside:  # another call's backward may
@@ -307,8 +312,8 @@ class ShardRuntime(StepScope, HeldUnits, ModelEntries, RuntimeOptimizers, Runtim
             self.reducer.reduce(unit)
 
     def _start_backward(self, _param: Optional[Tensor]) -> None:  # also a post-accumulate-grad hook (_watch_parameters)
-        if not self._final_callback_queued:
-            self._final_callback_queued = True
+        if not self.state.backward_running:
+            self.state.begin_backward()
             # what trains is what requires grad now, as autograd's own accumulation reads it: a pass since the
             # unit's forward may have frozen it for its own use and unfrozen it after (peft's disable_adapter())
             for unit in self.units:
@@ -319,9 +324,11 @@ class ShardRuntime(StepScope, HeldUnits, ModelEntries, RuntimeOptimizers, Runtim
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
     def _finish_backward(self) -> None:
-        self._final_callback_queued = self._forward_awaits_backward = False
+        state = self.state
+        state.end_backward()  # (what awaited it is forgotten: its graph was the one awaited)
         self.autocast_casts.backward_ended()
-        self._backward_graph_kept |= torch.is_grad_enabled()  # create_graph=True: keep what its graph reads
+        if torch.is_grad_enabled():  # create_graph=True: keep what its graph reads
+            state.keep_graph()
         try:
             if self.host_stepper is not None and self.host_stepper.armed is not None:
                 # units step as their reductions land, the last of them now: what code wrote into a copy still
@@ -341,23 +348,24 @@ class ShardRuntime(StepScope, HeldUnits, ModelEntries, RuntimeOptimizers, Runtim
         finally:  # after an error too
             for unit in self.units:
                 unit.await_calls_again()
-                if self._backward_graph_kept and not unit.parameters_watched:  # the next backward may reach them
+                if state.graph_kept and not unit.parameters_watched:  # the next backward may reach them
                     self._watch_parameters(unit)  # through the kept graph only (a penalty backpropagated alone)
-            self._free_after_backward(keep_storage=self._backward_graph_kept)
+            self._free_after_backward(keep_storage=state.graph_kept)
 
     def _free_after_backward(self, keep_storage: bool = False) -> None:
         """The tree holds the shard parameters again, with their gradients (what an optimizer must be given); a step's
         root stays gathered. ``keep_storage``: the gathered buffers stay allocated, for the kept graph to read."""
-        self._backward_graph_kept = keep_storage
+        if not keep_storage:
+            self.state.drop_graph()
         for unit in self.units:
-            if unit is not self.root_unit or self._depth == 0:
+            if unit is not self.root_unit or self.state.depth == 0:
                 self.schedule.reshard(unit, keep_storage or unit.read_outside)
 
     def _recover_from_failed_backward(self) -> None:
         """A backward raised (e.g. a caught out-of-memory) before its final callback ran: drop its partial
         gradients and in-flight reductions, so that the next step starts clean."""
-        self._final_callback_queued = self._forward_awaits_backward = False
-        self._backward_graph_kept = False
+        self.state.end_backward()
+        self.state.drop_graph()
         self.reducer.abandon()
         if self.host_stepper is not None:
             self.host_stepper.abandon()

@@ -17,10 +17,6 @@ from lightning_shard.engine.runtime.backward_watch import refuse_unseen_gradient
 
 
 class StepScope:
-    # a forward's output awaits its backward (a root call of ``model(model(x))``, of ``model(a) + model(b)``): the next
-    # root call is no new step for the units' calls, whose backward is still to come
-    _forward_awaits_backward = False
-
     def run_step(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run one ``*_step`` as the root's scope (see the module note)."""
         self._steps_driven = True
@@ -40,26 +36,27 @@ class StepScope:
         """``step``: a training/eval step every rank runs (``run_step``, or a root forward where no one calls
         ``run_step``), not a forward outside the steps (a callback's sample on rank 0): only a step runs the
         ranks' agreements (the trainable parameters, the buffers), which every rank must join."""
-        if self._held and self._depth == 0:
+        state = self.state
+        if state.held and state.depth == 0:
             if torch.is_grad_enabled():
                 raise RuntimeError(
                     "lightning_shard: a forward with gradients inside keep_gathered(): held units run no collective,"
                     " so their gradients would never be reduced. Leave keep_gathered() to train, or run this forward"
                     " under torch.no_grad() (evaluation, generation).")
-            self._depth += 1
+            state.nest()
             return
-        if self._depth == 0 and self._final_callback_queued and not in_backward():
+        if state.depth == 0 and state.backward_running and not in_backward():
             self._recover_from_failed_backward()
-        if self._depth == 0 and not self._final_callback_queued:
-            self._joined_by_all = step and self.groups.shard_size > 1  # every rank runs it: may agree at its end
+        if state.depth == 0 and not state.backward_running:
+            joined = step and self.groups.shard_size > 1  # every rank runs it: may agree at its end
             if not self.reducer.left_unreduced:
                 refuse_unseen_gradients(self.units, self.reducer, "a step's start")
             # a previous step that ran no backward may have left units gathered: their data may be stale
             for unit in self.units:
-                self.schedule.reshard(unit, keep_storage=self._backward_graph_kept)
+                self.schedule.reshard(unit, keep_storage=state.graph_kept)
                 if self.restage_each_step:
                     unit.storage.shards_changed()  # offload: copied from the master again, whatever wrote it since
-                if not self._forward_awaits_backward:
+                if not state.awaits_backward:  # (a root call of model(model(x)), of model(a) + model(b))
                     unit.forget_calls()
                     unit.read_outside = unit.returned_parameters = False
             for unit in self.units:
@@ -77,25 +74,28 @@ class StepScope:
                 self.schedule.gather(self.root_unit, exposed=True)
             self.schedule.start_forward()
             self.elision.start_forward()
-        self._depth += 1
+            state.start_step(joined)
+            return
+        state.nest()
 
     def _exit_step(self, output: Any, failed: bool = False) -> None:
         """``failed``: the step is raising (on this rank only, maybe): nothing is agreed, the error goes on."""
-        if self._depth == 0:  # its _enter_step raised (the root's forward hook runs even so)
+        state = self.state
+        if state.depth == 0:  # its _enter_step raised (the root's forward hook runs even so)
             return
-        self._depth -= 1
-        if self._depth > 0 or self._held:
+        state.close()
+        if state.depth > 0 or state.held:
             return
         self.elision.end_forward()
         self.schedule.record_order()
-        if self._final_callback_queued:
+        if state.backward_running:
             return
         if not expects_backward(output):
             for unit in self.units:
-                self.schedule.reshard(unit, keep_storage=self._backward_graph_kept)
-            if self._joined_by_all and not failed:  # (a backward compares them as it ends)
+                self.schedule.reshard(unit, keep_storage=state.graph_kept)
+            if state.joined_by_all and not failed:  # (a backward compares them as it ends)
                 self.schedule.compare_issued(self.groups.agreements)
             return
-        self._forward_awaits_backward = True
+        state.await_backward()  # the next root call is no new step for the units' calls, whose backward is to come
         if self.root_unit is not None:  # gathered again should a backward begin after one freed it (retain_graph)
             watch_outputs(output, lambda _: self._pre_backward(self.root_unit))
