@@ -38,8 +38,9 @@ from torch import nn
 from lightning_shard.app.cli import ArgumentParser, at_least
 from lightning_shard.tools import spawn_ranks
 
-HOOKS = ("_enter_step", "_exit_step", "_pre_forward", "_post_forward", "_pre_backward", "_post_backward",
-         "_finish_backward")
+# each hook, and the runtime's part that runs it (the installed hooks look its method up at each call)
+HOOKS = {"enter_step": "scope", "exit_step": "scope", "pre_forward": "hooks", "post_forward": "hooks",
+         "pre_backward": "hooks", "post_backward": "hooks", "finish_backward": "hooks"}
 
 
 class SmallBlock(nn.Module):
@@ -68,16 +69,17 @@ class ManySmallUnits(nn.Module):
 
 
 class HookTimer:
-    """Wraps the runtime's hook methods (the installed hooks look them up at each call): seconds spent in them,
-    less the collective waits inside them (``stats.exposed_seconds``), in all and per hook."""
+    """Wraps the hook methods of the runtime's parts (the installed hooks look them up at each call): seconds spent
+    in them, less the collective waits inside them (``stats.exposed_seconds``), in all and per hook."""
 
     def __init__(self, runtime: Any) -> None:
         self.runtime = runtime
         self.seconds = 0.0
         self.by_hook = dict.fromkeys(HOOKS, 0.0)
         self._depth = 0
-        for name in HOOKS:
-            setattr(runtime, name, self._timed(name, getattr(runtime, name)))
+        for name, part in HOOKS.items():
+            owner = getattr(runtime, part)
+            setattr(owner, name, self._timed(name, getattr(owner, name)))
 
     def _timed(self, name: str, method: Callable) -> Callable:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -213,7 +215,7 @@ def main(argv=None) -> None:
 def _per_hook(steps: list[dict[str, float]], units: int) -> str:
     """Each hook's median time per unit per step, in µs, on one line under its configuration's row."""
     return "         hooks us/unit/step: " + ", ".join(
-        f"{name.strip('_')} {statistics.median(step[name] for step in steps) * 1e6 / units:.1f}" for name in HOOKS)
+        f"{name} {statistics.median(step[name] for step in steps) * 1e6 / units:.1f}" for name in HOOKS)
 
 
 if __name__ == "__main__":

@@ -10,8 +10,7 @@ group computes the same norm alone, and nothing is counted once per replica."""
 from __future__ import annotations
 
 import math
-import warnings
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -19,6 +18,7 @@ from torch import Tensor, nn
 
 from lightning_shard.engine.comm import collectives
 from lightning_shard.engine.comm.collectives import CommStats
+from lightning_shard.engine.storage.unit import Unit
 
 
 def check_norm_type(norm_type: float) -> float:
@@ -92,26 +92,17 @@ def total_grad_norm(parameters: list[Tensor], sharded: list[bool], norm_type: fl
     return grad_norms([p.grad for p in parameters], sharded, norm_type, device, group, stats)[1]
 
 
-class RuntimeNorms:
-    """ShardRuntime's gradient norms, and what a non-finite gradient does (mixed in: ``units``, ``root``, ``groups``,
-    ``stats``, ``reducer``, ``nonfinite``, ``steps_done``, ``skipped_steps``, ``host_stepper``)."""
+class GradientNorms:
+    """A sharded model's gradient norms, as the unsharded model's (a part of ShardRuntime)."""
 
-    grad_norms_read = False  # grad_norms() was called
-
-    def apply_nonfinite_policy(self) -> None:
-        """Before an optimizer step (step_watch.py): all ranks agree whether any gradient shard is not finite (a
-        non-finite loss makes them so), and skip the step together (the optimizer sees no gradient) or stop."""
-        first = self.reducer.first_nonfinite()
-        if first is None:
-            return
-        if self.nonfinite == "error":
-            raise FloatingPointError(
-                f"lightning_shard: non-finite gradient at step {self.steps_done}, first in unit {first.name!r}."
-            )
-        for unit in self.units:  # "skip": the optimizer sees no gradient anywhere, on every rank
-            unit.storage.clear_grads()
-        self.skipped_steps += 1
-        warnings.warn(f"lightning_shard: step {self.steps_done} skipped: non-finite gradient in unit {first.name!r}.")
+    def __init__(self, units: list[Unit], root: nn.Module, group: Optional[dist.ProcessGroup], stats: CommStats,
+                 host_stepper: Any = None) -> None:
+        self.units = units
+        self.root = root
+        self.group = group  # the shard group: replicas hold the same gradient shards (see the module note)
+        self.stats = stats
+        self.host_stepper = host_stepper  # offload's overlapped step, which clips at the end of backward
+        self.grad_norms_read = False  # grad_norms() was called
 
     def clip_grad_norm_(self, parameters: list[Tensor], max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip by the norm over all shards, as ``torch.nn.utils.clip_grad_norm_`` on the unsharded model."""
@@ -120,14 +111,13 @@ class RuntimeNorms:
             if clipped is not None:
                 return clipped
         shards, sharded = self._shards_of(list(parameters))
-        return clip_grad_norm_(shards, sharded, max_norm, norm_type, self.units[0].storage.device,
-                                     self.groups.shard, self.stats)
+        return clip_grad_norm_(shards, sharded, max_norm, norm_type, self.units[0].storage.device, self.group,
+                               self.stats)
 
     def total_grad_norm(self, parameters: list[Tensor], norm_type: float = 2.0) -> Tensor:
         """The norm :meth:`clip_grad_norm_` would clip ``parameters`` by (every rank must call it)."""
         shards, sharded = self._shards_of(list(parameters))
-        return total_grad_norm(shards, sharded, norm_type, self.units[0].storage.device, self.groups.shard,
-                               self.stats)
+        return total_grad_norm(shards, sharded, norm_type, self.units[0].storage.device, self.group, self.stats)
 
     def grad_norms(self, norm_type: float = 2.0) -> tuple[list[str], Tensor, Tensor]:
         """The names of the parameters that have a gradient, each one's gradient norm over all shards, and their
@@ -136,7 +126,7 @@ class RuntimeNorms:
         named = list(self.root.named_parameters())
         shards, sharded = self._shards_of([p for _, p in named])
         each, total, present = grad_norms([shard.grad for shard in shards], sharded, norm_type,
-                                          self.units[0].storage.device, self.groups.shard, self.stats)
+                                          self.units[0].storage.device, self.group, self.stats)
         kept = present.nonzero().flatten().tolist()  # a gradient on some rank (the ranks agree)
         return [named[i][0] for i in kept], each[kept], total
 

@@ -30,16 +30,18 @@ from lightning_shard.engine.storage.unit import Unit
 
 class OptimizerAttachment:
     def __init__(self, units: list[Unit], groups: ShardGroups, stats: CommStats, root: nn.Module,
-                 host_stepper: Any = None) -> None:
+                 host_stepper: Any = None, nonfinite: Optional[str] = None,
+                 before_step: Optional[Callable[[], None]] = None) -> None:
         self.units = units
         self.root = root
         self.host_stepper = host_stepper  # offload's overlapped step, given to each optimizer's step
+        self.nonfinite = nonfinite  # what a non-finite gradient does: decided by the overlapped step, where armed
         self.groups = groups
         self.group = groups.shard  # owners' exchanges; the world agrees on the param groups
         self.world = groups.shard_size
         self.stats = stats
         self._placeholders: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id -> (placeholder, shard)
-        self.before_step: Optional[Callable[[], None]] = None  # each sharded step's check that the gradients are whole
+        self.before_step = before_step  # each sharded step's check that the gradients are whole
 
     @contextmanager
     def shaped_parameters(self) -> Iterator[None]:
@@ -142,6 +144,25 @@ class OptimizerAttachment:
             else:
                 optimizer.step = had  # type: ignore[method-assign]
 
+    def arm_host_step(self, optimizer: Optimizer, max_norm: Optional[float] = None, norm_type: float = 2.0,
+                      finish_in_forward: bool = False) -> bool:
+        """Offload: step each unit of ``optimizer`` on the CPU as its gradient lands in the next backward (host_step.py;
+        the runtime's ``arm_host_step`` says when); whether it is armed."""
+        step = self.step_of(optimizer)
+        stepper = self.host_stepper
+        if step is None or stepper is None:
+            return False
+        clip = None if max_norm is None else (float(max_norm), check_norm_type(norm_type))
+        return stepper.arm(step, clip, decides=clip is not None or self.nonfinite is not None,
+                           finish_in_forward=finish_in_forward)
+
+    def step(self, optimizer: Optimizer, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """``optimizer.step(closure)`` for the sharded model: its sharded step (the optimizer must be attached)."""
+        sharded_step = self.step_of(optimizer)
+        if sharded_step is None:
+            raise ValueError("lightning_shard: attach the optimizer first (`runtime.attach_optimizer(optimizer)`).")
+        return sharded_step(closure)
+
     def _describe(self, tensor: Tensor) -> str:
         """A tensor that is not a sharded parameter, for an error: its name where the model registers it."""
         name = next((n for n, p in self.root.named_parameters() if p is tensor), None)
@@ -152,50 +173,3 @@ class OptimizerAttachment:
     def _is_placeholder(self, param: object) -> bool:
         entry = self._placeholders.get(id(param))
         return entry is not None and entry[0] is param
-
-
-class RuntimeOptimizers:
-    """ShardRuntime's face for optimizers (mixed in: ``optimizers``, an :class:`OptimizerAttachment`, and
-    ``after_optimizer_step``)."""
-
-    optimizers: OptimizerAttachment
-    nonfinite: Optional[str]
-
-    def shaped_parameters(self) -> Any:
-        """Inside, the model's parameters have their real shapes (meta placeholders): build optimizers here,
-        then :meth:`attach_optimizer` them."""
-        return self.optimizers.shaped_parameters()
-
-    def attach_optimizer(self, optimizer: torch.optim.Optimizer, whole: bool = False,
-                         step_group_numel: int = DEFAULT_STEP_GROUP_NUMEL) -> ShardedStep:
-        """Give ``optimizer`` the shard parameters in place of placeholders, and its sharded step (``whole``:
-        each parameter stepped whole on an owner rank, for optimizers that are not elementwise)."""
-        return self.optimizers.attach(optimizer, whole, step_group_numel)
-
-    def arm_host_step(self, optimizer: torch.optim.Optimizer, max_norm: Optional[float] = None,
-                      norm_type: float = 2.0, finish_in_forward: bool = False) -> bool:
-        """Offload: step each unit on the CPU as its gradient lands in the next backward (engine/optim/host_step.py), for
-        ``optimizer`` (attached, elementwise), whose ``step`` must follow that backward with nothing in between
-        touching gradients, parameters or param groups, except ``clip_grad_norm_(its parameters, max_norm,
-        norm_type)`` when ``max_norm`` is given. ``finish_in_forward``: ``step`` returns before every unit is stepped,
-        and the next forward waits for each unit's step as it gathers it (reading the optimizer's state directly, not
-        through ``state_dict()`` or the checkpoint functions, needs :meth:`wait_host_steps` first). Every rank must
-        call it alike. Returns whether it is armed (not where nothing is offloaded, or the optimizer steps whole
-        parameters)."""
-        step = self.optimizers.step_of(optimizer)
-        stepper = self.optimizers.host_stepper
-        if step is None or stepper is None:
-            return False
-        clip = None if max_norm is None else (float(max_norm), check_norm_type(norm_type))
-        return stepper.arm(step, clip, decides=clip is not None or self.nonfinite is not None,
-                           finish_in_forward=finish_in_forward)
-
-    def step(self, optimizer: torch.optim.Optimizer, closure: Optional[Callable[[], Any]] = None) -> Any:
-        """``optimizer.step(closure)`` for the sharded model (the optimizer must be attached), then
-        :meth:`after_optimizer_step`."""
-        sharded_step = self.optimizers.step_of(optimizer)
-        if sharded_step is None:
-            raise ValueError("lightning_shard: attach the optimizer first (`runtime.attach_optimizer(optimizer)`).")
-        loss = sharded_step(closure)
-        self.after_optimizer_step()
-        return loss

@@ -11,6 +11,8 @@ from typing import Any, Callable, Optional
 from torch import nn
 
 from lightning_shard.engine.runtime.arguments import cast_floating, flatten_arguments, in_backward, needs_cast
+from lightning_shard.engine.runtime.step_scope import StepScope
+from lightning_shard.engine.runtime.step_state import StepState
 from lightning_shard.engine.storage.unit import Unit
 
 
@@ -28,42 +30,49 @@ def entry_modules(root: nn.Module, owners: list[nn.Module]) -> list[nn.Module]:
 
 
 class ModelEntries:
-    """Mixed into ShardRuntime (its step state: ``_depth``, ``_final_callback_queued``, ``_steps_driven``)."""
+    """The hooks of the modules where a call may enter below the root, each call a scope of the step's (step_scope.py)
+    where it enters outside one."""
 
-    root: nn.Module
-    root_unit: Optional[Unit]
-    _handles: list[Any]
-
-    def _install_root_unit_hooks(self, eager: Callable) -> None:
-        assert self.root_unit is not None
+    def __init__(self, root: nn.Module, root_unit: Unit, state: StepState, scope: StepScope,
+                 follow_requires_grad: Callable[[Unit], None]) -> None:
+        self.root = root
+        self.root_unit = root_unit
+        self.state = state
+        self.scope = scope
+        self.follow_requires_grad = follow_requires_grad  # (unit_hooks.py)
         self._entries: list[bool] = []  # per call entered below the root: whether it opened a scope
+
+    def install(self, handles: list[Any], eager: Callable) -> None:
+        """Hooks on the root unit's modules and the modules above them, their handles into ``handles``; ``eager``
+        keeps each out of a compiled graph (compile.py)."""
         # the root unit's own modules get their inputs in param_dtype too
         owners = list({id(module): module for slot in self.root_unit.storage.slots
                        for module, _ in slot.locations}.values())
         for owner in owners:
-            self._handles.append(owner.register_forward_pre_hook(
+            handles.append(owner.register_forward_pre_hook(
                 eager(lambda m, a, k, u=self.root_unit: self._root_module_pre_forward(u, a, k)), with_kwargs=True))
         for module in entry_modules(self.root, owners):  # before and after every other hook of the module
-            self._handles.append(module.register_forward_pre_hook(eager(lambda m, a: self._enter_below_root()),
-                                                                  prepend=True))
-            self._handles.append(module.register_forward_hook(eager(lambda m, a, out: self._exit_below_root(out)),
-                                                              always_call=True))
+            handles.append(module.register_forward_pre_hook(eager(lambda m, a: self._enter_below_root()),
+                                                            prepend=True))
+            handles.append(module.register_forward_hook(eager(lambda m, a, out: self._exit_below_root(out)),
+                                                        always_call=True))
 
     def _enter_below_root(self) -> None:
         # outside a step, and not a recomputation inside backward (a backward that raised left its flag: the scope
         # opened here recovers from it, as a call of the root does)
-        opens = self.state.depth == 0 and (not self.state.backward_running or not in_backward())
+        state = self.state
+        opens = state.depth == 0 and (not state.backward_running or not in_backward())
         self._entries.append(opens)  # first: an error entering still pops it as the call ends
         if opens:
-            self._enter_step(step=not self._steps_driven)
+            self.scope.enter_root()
 
     def _exit_below_root(self, output: Any) -> None:
         # (empty where a hook of the user's that runs before ours raised: the call never reached our pre-hook)
         if self._entries and self._entries.pop():
-            self._exit_step(output)
+            self.scope.exit_step(output)
 
     def _root_module_pre_forward(self, unit: Unit, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
-        self._follow_requires_grad(unit)
+        self.follow_requires_grad(unit)
         if not needs_cast(unit):
             return None
         flat, rebuild = flatten_arguments(args, kwargs)

@@ -1,4 +1,4 @@
-"""The sharded tree used as a plain module (issue 14, item 10), mixed into ``ShardRuntime``.
+"""The sharded tree used as a plain module (issue 14, item 10): a part of ``ShardRuntime``.
 
 The tree holds 1-D shard parameters viewing each unit's flat storage. A conversion (``.half()``, ``.to()``,
 ``.cpu()`` ... all go through ``nn.Module._apply``) would give them new tensors that no gather reads, and
@@ -19,19 +19,21 @@ from lightning_shard.engine.storage.unit import Unit
 
 
 class ModuleGuards:
-    root: nn.Module
-    units: list[Unit]
-    undo: list[Callable[[], None]]
+    def __init__(self, root: nn.Module, units: list[Unit], undo: list[Callable[[], None]]) -> None:
+        self.root = root
+        self.units = units
+        self.undo = undo  # the runtime's: what remove_hooks() restores
+        self.apply_checks: Sequence[Callable[[], None]] = ()  # more reasons to refuse any conversion (the strategy's)
+        self._plain_depth = 0  # inside plain_state_dict(): state_dict() returns the tree as it is
+        self._full_depth = 0  # inside a guarded state_dict(): the full tensors are registered
+        self._converting = False  # inside a guarded _apply, whose subtree was checked
+        self._param_names: dict[int, str] = {}
+        self._shard_of_gathered: dict[int, nn.Parameter] = {}
 
-    _plain_depth = 0  # inside plain_state_dict(): state_dict() returns the tree as it is
-    _full_depth = 0  # inside a guarded state_dict(): the full tensors are registered
-    _converting = False  # inside a guarded _apply, whose subtree was checked
-    apply_checks: Sequence[Callable[[], None]] = ()  # more reasons to refuse any conversion (the strategy's)
-
-    def install_guards(self) -> None:
+    def install(self) -> None:
         """Wrap ``_apply`` of every module of the tree (a conversion may be called on any submodule) and
         ``state_dict``, ``load_state_dict`` and ``zero_grad`` of every module that holds a sharded parameter or has
-        one below it; :meth:`remove_hooks` unwraps them."""
+        one below it; the runtime's ``remove_hooks`` unwraps them."""
         self._param_names = {id(p): slot.names[0] for unit in self.units for slot, *params in
                              zip(unit.storage.slots, unit.storage.shard_params, unit.storage.gathered_params)
                              for p in params}

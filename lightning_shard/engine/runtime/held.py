@@ -1,7 +1,6 @@
-"""What the runtime holds alike on every rank between steps: the buffers, made rank 0's (DDP's
-``broadcast_buffers``); the shards, holding what was given to their parameters; and, for evaluation and generation,
-every unit gathered: one all-gather per unit for a whole loop and no collective inside it, so ranks may run different
-numbers of forwards (generate to different lengths).
+"""Every unit held gathered between steps, for evaluation and generation: one all-gather per unit for a whole loop and
+no collective inside it, so ranks may run different numbers of forwards (generate to different lengths). The step's
+state (step_state.py) is held meanwhile: forwards inside gather nothing and free nothing.
 
 A write to the held parameters (``with torch.no_grad(): model.fc.weight.mul_(2)``) lands in the gathered buffers,
 which are freed on exit: it is kept with ``modifier_rank`` (DeepSpeed's ``GatheredParameters(modifier_rank=)``: that
@@ -19,9 +18,14 @@ from contextlib import contextmanager
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from lightning_shard.engine.comm import collectives
+from lightning_shard.engine.comm.collectives import CommStats
+from lightning_shard.engine.runtime.buffers import ModuleBuffers
+from lightning_shard.engine.runtime.gather import GatherSchedule
+from lightning_shard.engine.runtime.step_state import StepState
 from lightning_shard.engine.storage.mixed_shard import MixedShard
 from lightning_shard.engine.storage.unit import Unit
 
@@ -29,57 +33,20 @@ _SAME_SIZE_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int6
 
 
 class HeldUnits:
-    """Mixed into ShardRuntime (``units``, ``schedule``, ``root_unit``, the step state it reads)."""
+    """Every unit held gathered for evaluation and generation (``keep_gathered``), and what writes inside become."""
 
-    units: list[Unit]
-
-    def adopt_rebound_shards(self) -> None:
-        """Shard parameters given other tensors between steps (``p.data = ...``: a momentum teacher's update) hold
-        their values in the shards again: before anything reads the shards (a gather does it itself; a checkpoint).
-        Offload's steps still to come are done first."""
-        self.wait_host_steps()
-        for unit in self.units:
-            unit.storage.adopt_rebound_shards()
-
-    @torch.no_grad()
-    def sync_buffers(self) -> None:
-        """Rank 0's buffers (BatchNorm running statistics ...) on every rank, one broadcast per dtype: DDP's
-        ``broadcast_buffers``, and one consistent copy for a checkpoint. Every rank must call it."""
-        if self.world_size == 1:
-            return
-        by_kind: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
-        for buffer in self.root.buffers():
-            by_kind.setdefault((buffer.dtype, buffer.device), []).append(buffer)
-        for (dtype, _), buffers in by_kind.items():
-            flat = collectives.broadcast(torch.cat([b.reshape(-1) for b in buffers]), self.group, self.stats,
-                                         label=f"broadcast of the {dtype} buffers")
-            for buffer, value in zip(buffers, flat.split([b.numel() for b in buffers])):
-                buffer.copy_(value.view_as(buffer))
-        self._buffers_stale = False
-
-    @contextmanager
-    def rank0_buffers(self, everywhere: bool = True) -> Iterator[None]:
-        """Rank 0's buffers in the module tree while the block runs (a checkpoint writes them; DCP from any one rank),
-        on every rank (``everywhere``) or on rank 0 alone. Every rank must enter it. With ``broadcast_buffers`` they are
-        made rank 0's in place, for good, as DDP's next forward would. Without, each rank's own come back after the
-        block: DDP's ``state_dict()`` reads the buffers and changes none, so each rank keeps its running statistics."""
-        if self.broadcast_buffers or self.world_size == 1:
-            self.sync_buffers()
-            yield
-            return
-        if not everywhere:  # rank 0's own are rank 0's
-            yield
-            return
-        owners = [(module, name, buffer) for module in self.root.modules()
-                  for name, buffer in module._buffers.items() if buffer is not None]
-        for module, name, buffer in owners:
-            module._buffers[name] = buffer.clone()
-        try:
-            self.sync_buffers()
-            yield
-        finally:
-            for module, name, buffer in owners:
-                module._buffers[name] = buffer
+    def __init__(self, state: StepState, units: list[Unit], root_unit: Optional[Unit], schedule: GatherSchedule,
+                 buffers: ModuleBuffers, group: Optional[dist.ProcessGroup], stats: CommStats,
+                 world_size: int) -> None:
+        self.state = state  # (held and released here)
+        self.units = units
+        self.root_unit = root_unit
+        self.schedule = schedule
+        self.buffers = buffers
+        self.group = group  # every rank of the world: writes are agreed, or broadcast from the modifier
+        self.stats = stats
+        self.world_size = world_size
+        self._modifier_rank: Optional[int] = None  # the outermost keep_gathered()'s, while it holds
 
     @contextmanager
     def keep_gathered(self, modifier_rank: Optional[int] = None, units: Optional[list[Unit]] = None) -> Iterator[None]:
@@ -109,9 +76,7 @@ class HeldUnits:
         if self.state.depth or self.state.backward_running:
             raise RuntimeError("lightning_shard: keep_gathered() entered inside a step or a backward; enter it"
                                " between steps, on every rank.")
-        if self.broadcast_buffers and self._buffers_stale:
-            self.sync_buffers()
-            self._buffers_stale = False
+        self.buffers.sync_if_stale()
         held = self.units if units is None else list(units)
         for unit in held:
             self.schedule.gather(unit)
@@ -129,8 +94,6 @@ class HeldUnits:
             self.state.release()
             for unit in held:
                 self.schedule.reshard(unit)
-
-    _modifier_rank: Optional[int] = None
 
     @torch.no_grad()
     def _adopt_replaced(self, held: list[Unit]) -> set[str]:

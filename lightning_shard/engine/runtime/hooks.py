@@ -1,15 +1,24 @@
-"""The runtime: module and autograd hooks that drive a unit through a step, one file per mechanism below.
+"""The runtime of a sharded model: :class:`ShardRuntime` holds its parts, each given what it needs as it is built,
+installs the hooks that drive them, and is the model's face to the rest (the strategy, checkpoints, tests).
 
-Per unit, per step (``full`` sharding)::
+    state             step_state.py          where the step is (a Phase), its scopes' depth; the transitions
+    hooks             unit_hooks.py          each unit's forward and backward hooks, the end of backward
+    scope             step_scope.py          a step: the root's scope, its start and its end
+    entries           entries.py             calls entering the model below the root
+    schedule          gather.py              all-gathers, prefetch along the recorded order, frees
+    reducer           reduce.py              reduce-scatters, accumulation without sync
+    elision           elision.py             which units backward needs gathered again
+    held              held.py                every unit held gathered (keep_gathered)
+    buffers           buffers.py             rank 0's buffers (DDP's broadcast_buffers)
+    optimizers        optim/optimizer_attach.py  optimizers on the shards, their sharded steps
+    norms             optim/norms.py         gradient norms over every rank's shards, clipping
+    nonfinite_policy  nonfinite.py           a step with a non-finite gradient skipped or stopped, on every rank
+    guards            guards.py              conversions and state_dict() of the sharded tree
+    outside           storage/outside.py     a unit's parameters read from outside it
+    figures           step_figures.py        the last step's communication figures
 
-    forward:   pre-forward  -> gather (gather.py)        post-forward -> free (not the root unit)
-    backward:  pre-backward -> gather, unless elided (elision.py; outputs' gradient hook)
-               post-backward -> reduce-scatter gradients (reduce.py), free (inputs' gradient hook)
-    end of backward (autograd final callback): reduce what is left, wait for every reduction,
-               hand the gradient shards to the shard parameters, free everything
-
-Note: the root unit has no forward of its own in Lightning (``training_step`` is not ``forward``), so a
-*step* is the root's scope (step_scope.py).
+The parts read the step's state; they change it only through its transitions (step_state.py). No part reads
+another's private attributes: what one needs of another is handed to it at construction.
 
 Note: every rank must run the same units in the same order, as with any FSDP: collectives are issued
 from hooks, and their order is the order in which the hooks fire.
@@ -28,23 +37,25 @@ from lightning_shard.engine.comm.collectives import CommStats
 from lightning_shard.engine.comm.groups import ShardGroups
 from lightning_shard.engine.comm.streams import streams_for
 from lightning_shard.engine.optim.host_step import HostStepper
-from lightning_shard.engine.optim.norms import RuntimeNorms
-from lightning_shard.engine.optim.optimizer_attach import OptimizerAttachment, RuntimeOptimizers
+from lightning_shard.engine.optim.norms import GradientNorms
+from lightning_shard.engine.optim.optimizer_attach import OptimizerAttachment
+from lightning_shard.engine.optim.optimizer_step import DEFAULT_STEP_GROUP_NUMEL, ShardedStep
 from lightning_shard.engine.optim.step_watch import StepWatch
 from lightning_shard.engine.runtime.autocast_casts import AutocastCasts
-from lightning_shard.engine.runtime.arguments import cast_floating, flatten_arguments, in_backward, needs_cast
-from lightning_shard.engine.runtime.backward_watch import refuse_unseen_gradients, watch_inputs, watch_outputs
+from lightning_shard.engine.runtime.backward_watch import refuse_unseen_gradients
+from lightning_shard.engine.runtime.buffers import ModuleBuffers
 from lightning_shard.engine.runtime.compile import run_eagerly
 from lightning_shard.engine.runtime.elision import BackwardElision
 from lightning_shard.engine.runtime.entries import ModelEntries
 from lightning_shard.engine.runtime.gather import GatherSchedule
 from lightning_shard.engine.runtime.guards import ModuleGuards
 from lightning_shard.engine.runtime.held import HeldUnits
+from lightning_shard.engine.runtime.nonfinite import NonfinitePolicy
 from lightning_shard.engine.runtime.reduce import GradientReducer
-from lightning_shard.engine.runtime.returned import keep_returned
 from lightning_shard.engine.runtime.step_figures import StepFigures
 from lightning_shard.engine.runtime.step_scope import StepScope
 from lightning_shard.engine.runtime.step_state import StepState
+from lightning_shard.engine.runtime.unit_hooks import UnitHooks
 from lightning_shard.engine.storage.outside import OutsideReads
 from lightning_shard.engine.storage.unit import Unit
 
@@ -52,7 +63,7 @@ from lightning_shard.engine.storage.unit import Unit
 CHECK_STREAMS = "LIGHTNING_SHARD_CHECK_STREAMS"
 
 
-class ShardRuntime(StepScope, HeldUnits, ModelEntries, RuntimeOptimizers, RuntimeNorms, ModuleGuards):
+class ShardRuntime:
     def __init__(
         self,
         root: nn.Module,
@@ -73,41 +84,88 @@ class ShardRuntime(StepScope, HeldUnits, ModelEntries, RuntimeOptimizers, Runtim
         self.world_size = groups.world_size
         self.shard_group_ranks = groups.shard_ranks
         self.nonfinite = nonfinite  # None, "skip" or "error": what a non-finite gradient does
-        self.skipped_steps = 0
         self.stats = CommStats()
         device = units[0].storage.device if units else torch.device("cpu")
         self.streams = streams_for(device, check=os.environ.get(CHECK_STREAMS) == "1")
+        self.state = StepState()  # where the step is, how deep its scopes nest, what it keeps (step_state.py)
         self.autocast_casts = AutocastCasts(device.type)  # casts cached before a forward with grad (autocast_casts.py)
         self.figures = StepFigures(self.stats, self.streams)
         self.schedule = GatherSchedule(groups.shard, self.stats, prefetch, self.streams)
         self.elision = BackwardElision(units, self.schedule, elide_backward_gathers, groups.agreements,
                                        self.world_size, self.stats)
-        self.reducer = GradientReducer(units, groups, reduce_dtype, self.stats, self.schedule)
         # offload: the CPU steps each unit as its gradient lands, when armed (host_step.py)
         self.host_stepper = (HostStepper(units, self._forward_order) if units and all(u.storage.offloaded for u in units)
                              else None)
-        self.reducer.host_stepper = self.host_stepper
-        self.restage_each_step = True  # offload: staging copies made again at each step's first gathers (offload.py)
-        # where the step is, how deep its scopes nest, what it keeps (step_state.py). A create_graph=True backward's
-        # graph (state.graph_kept) reads the gathered buffers again (a penalty backpropagated with the loss, or after
-        # it), so none is freed until an optimizer step (forwards in between gather the same values into them); each
-        # backward until then reduces at its end only: the kept graph adds to a unit's gradients after the unit's own
-        # backward
-        self.state = StepState()
-        self._handles: list[Any] = []
-        self._watched: set[int] = set()  # ids of gathered parameters with a post-accumulate-grad hook
-        self.broadcast_buffers = broadcast_buffers
-        self._buffers_stale = False  # the ranks' buffers may differ (a training step updated them locally)
-        self._steps_driven = False  # run_step is in use: a bare root forward is not a step
+        self.reducer = GradientReducer(units, groups, reduce_dtype, self.stats, self.schedule, self.host_stepper)
+        self._handles: list[Any] = []  # every hook's, removed by remove_hooks()
         self.undo: list[Callable[[], None]] = []  # restores what was wrapped at setup (activation checkpointing)
-        self.optimizers = OptimizerAttachment(units, groups, self.stats, root, self.host_stepper)
-        self.optimizers.before_step = lambda: refuse_unseen_gradients(units, self.reducer, "an optimizer step")
+        self.norms = GradientNorms(units, root, groups.shard, self.stats, self.host_stepper)
+        self.nonfinite_policy = NonfinitePolicy(nonfinite, units, self.reducer, self.state)
+        self.buffers = ModuleBuffers(root, self.group, self.stats, self.world_size, broadcast_buffers)
+        self.hooks = UnitHooks(self.state, units, root_unit, self.schedule, self.elision, self.reducer, self.stats,
+                               self.autocast_casts, self.host_stepper, nonfinite, self.norms.total_grad_norm,
+                               self._handles)
+        self.scope = StepScope(self.state, units, root_unit, groups, self.schedule, self.reducer, self.elision,
+                               self.buffers, self.figures, self.hooks)
+        self.held = HeldUnits(self.state, units, root_unit, self.schedule, self.buffers, self.group, self.stats,
+                              self.world_size)
+        reducer = self.reducer
+        self.optimizers = OptimizerAttachment(
+            units, groups, self.stats, root, self.host_stepper, nonfinite,
+            before_step=lambda: refuse_unseen_gradients(units, reducer, "an optimizer step"))
+        self.guards = ModuleGuards(root, units, self.undo)
         for unit in units:  # one rank, computing in the shard itself: nothing to free or reduce before backward ends
             unit.watches_backward_end = not (self.world_size == 1 and unit.storage.aliases_shard)
+        self.entries = ModelEntries(root, root_unit, self.state, self.scope, self.hooks.follow_requires_grad) \
+            if root_unit is not None else None
         self._install_hooks()
-        self.outside = OutsideReads(units, self._gather_for_reader)  # lookups of shard parameters
+        self.outside = OutsideReads(units, self.hooks.gather_for_reader)  # lookups of shard parameters
         self.undo.append(self.outside.stop)
         self._handles.append(StepWatch(self).handle)  # before every optimizer step over these parameters
+
+    def _install_hooks(self) -> None:
+        # run eagerly even when reached from a compiled frame (compile.py): a graph break, not collectives traced
+        eager, hooks, scope = run_eagerly, self.hooks, self.scope
+        for unit in self.units:
+            if unit is not self.root_unit:
+                for member in unit.members:
+                    self._handles.append(member.register_forward_pre_hook(
+                        eager(lambda m, a, k, u=unit: hooks.pre_forward(u, a, k)), with_kwargs=True))
+                    self._handles.append(member.register_forward_hook(
+                        eager(lambda m, a, k, out, u=unit: hooks.post_forward(u, m, out)), with_kwargs=True))
+        if self.root_unit is not None and self.entries is not None:
+            hooks.watch_parameters(self.root_unit)
+            self.entries.install(self._handles, eager)
+        self._handles.append(self.root.register_forward_pre_hook(eager(lambda m, a: scope.enter_root())))
+        self._handles.append(self.root.register_forward_hook(  # (always_call: raising, it runs in an except block)
+            eager(lambda m, a, out: scope.exit_step(out, failed=sys.exc_info()[0] is not None)), always_call=True))
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self.hooks.forget_watched()
+        for restore in reversed(self.undo):  # wrappers installed later come off first
+            restore()
+        self.undo.clear()
+
+    @property
+    def hooks_installed(self) -> bool:
+        return bool(self._handles)
+
+    # -- steps ----------------------------------------------------------------------------------------
+    def run_step(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run one ``*_step`` as the root's scope (step_scope.py)."""
+        return self.scope.run_step(step, *args, **kwargs)
+
+    @property
+    def restage_each_step(self) -> bool:
+        """Offload: staging copies made again at each step's first gathers (offload.py)."""
+        return self.scope.restage_each_step
+
+    @restage_each_step.setter
+    def restage_each_step(self, value: bool) -> None:
+        self.scope.restage_each_step = value
 
     @property
     def trace(self) -> Optional[list[tuple[str, str]]]:
@@ -119,14 +177,64 @@ class ShardRuntime(StepScope, HeldUnits, ModelEntries, RuntimeOptimizers, Runtim
         self.schedule.trace = value
 
     @property
-    def steps_done(self) -> int:
-        """Optimizer steps taken (step_state.py)."""
-        return self.state.steps_done
-
-    @property
     def order(self) -> list[Unit]:
         """The forward order of units on the last step."""
         return self.schedule.order
+
+    @property
+    def steps_done(self) -> int:
+        """Optimizer steps taken."""
+        return self.state.steps_done
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped for a non-finite gradient (``nonfinite="skip"``)."""
+        return self.nonfinite_policy.skipped_steps
+
+    @property
+    def last_step_stats(self) -> dict[str, float]:
+        """The last step's communication figures (step_figures.py)."""
+        return self.figures.total
+
+    def no_sync(self) -> Any:
+        """Accumulate unsharded gradients locally, without reduction (costs a full gradient per unit)."""
+        return self.reducer.no_sync()
+
+    def no_replica_sync(self) -> Any:
+        """Accumulate with the reduce-scatters (gradients stay sharded) but without the all-reduce across replicas
+        (``hybrid``, ``none``): the first backward outside all-reduces the sum (FSDP2's ``set_requires_all_reduce``)."""
+        return self.reducer.no_replica_sync()
+
+    # -- optimizers -----------------------------------------------------------------------------------
+    def shaped_parameters(self) -> Any:
+        """Inside, the model's parameters have their real shapes (meta placeholders): build optimizers here,
+        then :meth:`attach_optimizer` them."""
+        return self.optimizers.shaped_parameters()
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer, whole: bool = False,
+                         step_group_numel: int = DEFAULT_STEP_GROUP_NUMEL) -> ShardedStep:
+        """Give ``optimizer`` the shard parameters in place of placeholders, and its sharded step (``whole``:
+        each parameter stepped whole on an owner rank, for optimizers that are not elementwise)."""
+        return self.optimizers.attach(optimizer, whole, step_group_numel)
+
+    def arm_host_step(self, optimizer: torch.optim.Optimizer, max_norm: Optional[float] = None,
+                      norm_type: float = 2.0, finish_in_forward: bool = False) -> bool:
+        """Offload: step each unit on the CPU as its gradient lands in the next backward (engine/optim/host_step.py), for
+        ``optimizer`` (attached, elementwise), whose ``step`` must follow that backward with nothing in between
+        touching gradients, parameters or param groups, except ``clip_grad_norm_(its parameters, max_norm,
+        norm_type)`` when ``max_norm`` is given. ``finish_in_forward``: ``step`` returns before every unit is stepped,
+        and the next forward waits for each unit's step as it gathers it (reading the optimizer's state directly, not
+        through ``state_dict()`` or the checkpoint functions, needs :meth:`wait_host_steps` first). Every rank must
+        call it alike. Returns whether it is armed (not where nothing is offloaded, or the optimizer steps whole
+        parameters)."""
+        return self.optimizers.arm_host_step(optimizer, max_norm, norm_type, finish_in_forward)
+
+    def step(self, optimizer: torch.optim.Optimizer, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """``optimizer.step(closure)`` for the sharded model (the optimizer must be attached), then
+        :meth:`after_optimizer_step`."""
+        loss = self.optimizers.step(optimizer, closure)
+        self.after_optimizer_step()
+        return loss
 
     def after_optimizer_step(self) -> None:
         """Close the step's communication figures; re-gather units still gathered (manual optimization)."""
@@ -134,15 +242,15 @@ class ShardRuntime(StepScope, HeldUnits, ModelEntries, RuntimeOptimizers, Runtim
         self.figures.close_part()
         self.state.optimizer_stepped()
         if self.state.graph_kept:  # the shards changed under the kept graph: it is done with
-            self._free_after_backward()
+            self.hooks.free_after_backward()
         for unit in (u for u in self.units if u.read_outside and not u.is_gathered):  # kept for a reader's backward
             self.schedule.reshard(unit)
         self.refresh_gathered(stepped=True)
 
-    def _forward_order(self) -> list[Unit]:
-        """The units as the next forward gathers them: the root's first, then as the last step ran them."""
-        root = [self.root_unit] if self.root_unit is not None else []
-        return root + [unit for unit in self.schedule.order if unit is not self.root_unit]
+    def apply_nonfinite_policy(self) -> None:
+        """Before an optimizer step (step_watch.py): all ranks agree whether any gradient shard is not finite (a
+        non-finite loss makes them so), and skip the step together (the optimizer sees no gradient) or stop."""
+        self.nonfinite_policy.apply()
 
     def wait_host_steps(self) -> None:
         """Offload armed with ``finish_in_forward``: wait until every unit's step is done (raises its error). Reading
@@ -150,11 +258,31 @@ class ShardRuntime(StepScope, HeldUnits, ModelEntries, RuntimeOptimizers, Runtim
         if self.host_stepper is not None:
             self.host_stepper.finish()
 
-    @property
-    def last_step_stats(self) -> dict[str, float]:
-        """The last step's communication figures (step_figures.py)."""
-        return self.figures.total
+    def _forward_order(self) -> list[Unit]:
+        """The units as the next forward gathers them: the root's first, then as the last step ran them."""
+        root = [self.root_unit] if self.root_unit is not None else []
+        return root + [unit for unit in self.schedule.order if unit is not self.root_unit]
 
+    # -- gradient norms: every rank must call these (one all-reduce) ----------------------------------
+    def clip_grad_norm_(self, parameters: list[Tensor], max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """Clip by the norm over all shards, as ``torch.nn.utils.clip_grad_norm_`` on the unsharded model."""
+        return self.norms.clip_grad_norm_(parameters, max_norm, norm_type)
+
+    def total_grad_norm(self, parameters: list[Tensor], norm_type: float = 2.0) -> Tensor:
+        """The norm :meth:`clip_grad_norm_` would clip ``parameters`` by (every rank must call it)."""
+        return self.norms.total_grad_norm(parameters, norm_type)
+
+    def grad_norms(self, norm_type: float = 2.0) -> tuple[list[str], Tensor, Tensor]:
+        """The names of the parameters that have a gradient, each one's gradient norm over all shards, and their
+        total norm: Lightning's ``grad_norm(model, norm_type)`` on the unsharded model."""
+        return self.norms.grad_norms(norm_type)
+
+    @property
+    def grad_norms_read(self) -> bool:
+        """:meth:`grad_norms` was called."""
+        return self.norms.grad_norms_read
+
+    # -- the shards and buffers between steps ---------------------------------------------------------
     def refresh_gathered(self, stepped: bool = False) -> None:
         """The shards were written (a load; ``stepped``: an optimizer step, which writes only the parameters that have
         a gradient: a frozen unit's copies stay as they are, offload moves nothing of it again): their copies are
@@ -167,211 +295,49 @@ class ShardRuntime(StepScope, HeldUnits, ModelEntries, RuntimeOptimizers, Runtim
                 unit.storage.shards_changed()
         self.schedule.refresh(self.units)
 
-    # -- accumulation -------------------------------------------------------------------------------
-    def no_sync(self) -> Any:
-        """Accumulate unsharded gradients locally, without reduction (costs a full gradient per unit)."""
-        return self.reducer.no_sync()
-
-    def no_replica_sync(self) -> Any:
-        """Accumulate with the reduce-scatters (gradients stay sharded) but without the all-reduce across replicas
-        (``hybrid``, ``none``): the first backward outside all-reduces the sum (FSDP2's ``set_requires_all_reduce``)."""
-        return self.reducer.no_replica_sync()
-
-    # -- hooks --------------------------------------------------------------------------------------
-    def _install_hooks(self) -> None:
-        # run eagerly even when reached from a compiled frame (compile.py): a graph break, not collectives traced
-        eager = run_eagerly
+    def adopt_rebound_shards(self) -> None:
+        """Shard parameters given other tensors between steps (``p.data = ...``: a momentum teacher's update) hold
+        their values in the shards again: before anything reads the shards (a gather does it itself; a checkpoint).
+        Offload's steps still to come are done first."""
+        self.wait_host_steps()
         for unit in self.units:
-            if unit is not self.root_unit:
-                for member in unit.members:
-                    self._handles.append(member.register_forward_pre_hook(
-                        eager(lambda m, a, k, u=unit: self._pre_forward(u, a, k)), with_kwargs=True))
-                    self._handles.append(member.register_forward_hook(
-                        eager(lambda m, a, k, out, u=unit: self._post_forward(u, m, out)), with_kwargs=True))
-        if self.root_unit is not None:
-            self._watch_parameters(self.root_unit)
-            self._install_root_unit_hooks(eager)
-        self._handles.append(self.root.register_forward_pre_hook(
-            eager(lambda m, a: self._enter_step(step=not self._steps_driven))))
-        self._handles.append(self.root.register_forward_hook(  # (always_call: raising, it runs in an except block)
-            eager(lambda m, a, out: self._exit_step(out, failed=sys.exc_info()[0] is not None)), always_call=True))
+            unit.storage.adopt_rebound_shards()
 
-    def _watch_parameters(self, unit: Unit) -> None:
-        """A gradient reaching the unit's gathered parameters says a backward began, where its outputs' hook may not (the
-        root's, hooked as the step ends: a manual backward is inside it; no output needing a gradient; a kept graph)."""
-        unit.parameters_watched = True
-        for param in unit.storage.gathered_params:
-            if param.requires_grad and id(param) not in self._watched:
-                self._watched.add(id(param))
-                self._handles.append(param.register_post_accumulate_grad_hook(self._start_backward))
+    def sync_buffers(self) -> None:
+        """Rank 0's buffers (BatchNorm running statistics ...) on every rank, one broadcast per dtype: DDP's
+        ``broadcast_buffers``, and one consistent copy for a checkpoint. Every rank must call it."""
+        self.buffers.sync()
 
-    def _follow_requires_grad(self, unit: Unit) -> None:
-        """Parameters frozen or unfrozen since the unit's last use (a fine-tuning callback between steps,
-        ``toggle_optimizer`` inside one): its gathered parameters follow before they are computed with. The
-        ranks compare what they train at each step's start (checked before its first reduction) and again in
-        the agreement that ends each backward."""
-        if unit.storage.sync_requires_grad() and unit.parameters_watched:
-            self._watch_parameters(unit)
+    def rank0_buffers(self, everywhere: bool = True) -> Any:
+        """Rank 0's buffers in the module tree while the block runs, on every rank (``everywhere``) or rank 0 alone;
+        every rank must enter it (buffers.py)."""
+        return self.buffers.rank0(everywhere)
 
-    def remove_hooks(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        self._watched.clear()
-        for restore in reversed(self.undo):  # wrappers installed later come off first
-            restore()
-        self.undo.clear()
+    def keep_gathered(self, modifier_rank: Optional[int] = None, units: Optional[list[Unit]] = None) -> Any:
+        """Hold every unit gathered for a whole evaluation or generation loop (held.py): every rank must enter (one
+        all-gather per unit); inside, forwards without gradients run no collective. Writes to the parameters inside
+        are written back from ``modifier_rank`` on exit, and refused without it. ``units``: only these (the same on
+        every rank)."""
+        return self.held.keep_gathered(modifier_rank, units)
+
+    def held_bytes(self) -> int:
+        """Bytes per rank that :meth:`keep_gathered` adds while it holds every unit."""
+        return self.held.held_bytes()
+
+    # -- the sharded tree as a plain module (guards.py) -----------------------------------------------
+    def install_guards(self) -> None:
+        self.guards.install()
+
+    def plain_state_dict(self) -> Any:
+        """``state_dict()`` of the tree as it is: this rank's 1-D shards, or whatever the caller registered in
+        their place (the checkpoint code, which gathers on every rank itself)."""
+        return self.guards.plain_state_dict()
 
     @property
-    def hooks_installed(self) -> bool:
-        return bool(self._handles)
+    def apply_checks(self) -> Any:
+        """More reasons to refuse any conversion of the tree (the strategy's)."""
+        return self.guards.apply_checks
 
-    def _pre_forward(self, unit: Unit, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
-        self._follow_requires_grad(unit)
-        self.autocast_casts.before_forward()
-        state = self.state
-        if not state.held:
-            self.schedule.gather(unit, exposed=not state.backward_running)
-            if not state.backward_running:  # not a recomputation inside backward
-                self.schedule.forward_reached(unit)
-        cast = needs_cast(unit)
-        watch = (unit.watches_backward_end and not state.held and torch.is_grad_enabled()
-                 and not self._recomputing_for_saved_tensors(unit))
-        arguments = None  # the arguments as they are
-        if cast or watch:
-            flat, rebuild = flatten_arguments(args, kwargs)
-            changed = cast_floating(flat, unit.storage.param_dtype) if cast else flat
-            if watch:
-                changed = watch_inputs(unit, changed, self._post_backward)
-            arguments = rebuild(changed) if changed is not flat else None
-        unit.call_began = torch.autograd._get_sequence_nr()  # after the nodes made here: they are not the call's own
-        return arguments
-
-    def _gather_for_reader(self, unit: Unit) -> bool:
-        """A module outside ``unit`` looked up one of its parameters: gathered where a step or a backward runs."""
-        state = self.state
-        if state.held or not (state.depth > 0 or (state.backward_running and in_backward())):
-            return False
-        self._follow_requires_grad(unit)
-        self.schedule.gather(unit)
-        unit.read_outside = True
-        if unit.storage.trainable and not unit.parameters_watched:  # its gradient may be the backward's first
-            self._watch_parameters(unit)
-        return True
-
-    def _recomputing_for_saved_tensors(self, unit: Unit) -> bool:
-        """A call inside backward of a unit whose backward is still to come: a non-reentrant checkpoint
-        recomputing saved tensors. Its graph is never run backward, so it gets no backward hooks."""
-        return self.state.backward_running and unit.backward_pending > 0
-
-    def _post_forward(self, unit: Unit, module: nn.Module, output: Any) -> Any:
-        if not unit.storage.aliases_shard:  # its gathered buffer is freed: what it returns of it is copied
-            output, carries = keep_returned(output, unit.storage.gathered_ids)
-            unit.returned_parameters |= carries
-        state = self.state
-        if state.held:
-            return output
-        grad_enabled = torch.is_grad_enabled()
-        order = self.schedule.order
-        # backward starts with the last unit: freeing it now would only mean gathering it again at once (kept
-        # whether or not elision would skip it: that is agreed only at the end of forward)
-        keep_for_backward = grad_enabled and bool(order) and unit is order[-1]
-        # a recomputation inside backward: the unit's backward follows at once and frees it
-        recomputing = state.backward_running
-        if grad_enabled and state.depth == 0 and not recomputing:  # called outside any step (model(block(x))): the
-            state.await_backward()  # next step's start is no new step for this call, its backward to come
-        if (module is unit.members[-1] and not keep_for_backward and not recomputing and not unit.read_outside
-                and (unit.reshard_after_forward or not grad_enabled)):
-            self.schedule.reshard(unit, keep_storage=state.graph_kept)
-        if grad_enabled and not self._recomputing_for_saved_tensors(unit):
-            if not watch_outputs(output, lambda _: self._pre_backward(unit), unit.call_began) \
-                    and not unit.parameters_watched and unit.storage.trainable:
-                self._watch_parameters(unit)
-        return output
-
-    def _pre_backward(self, unit: Unit) -> None:
-        self._start_backward(None)
-        if unit.reshard_after_forward and not self.elision.needs_backward_gather(unit) and not unit.is_gathered:
-            if unit.inflight is None:
-                self.stats.skipped_gathers += 1
-                self.schedule.note("skip_gather", unit)
-        else:
-            self.schedule.gather(unit)
-        if unit.reshard_after_forward:  # only then is there anything to gather ahead in backward
-            self.schedule.backward_reached(unit, self.elision.needs_backward_gather)
-
-    def _post_backward(self, unit: Unit) -> None:
-        self._start_backward(None)  # (a backward through a unit's inputs only: a penalty's, an auxiliary loss's)
-        if self.state.graph_kept or torch.is_grad_enabled():  # (grad mode in backward: create_graph=True)
-            return  # reduced, and freed, at the end of backward: a node of the kept graph may still read or add to it
-        unit.backward_pending -= 1
-        if unit.backward_pending > 0 or unit.unseen_backward or unit.read_outside:  # another call's backward may
-            return  # still be running; or code outside the unit computed with it, to the end of backward (outside.py)
-        self.schedule.reshard(unit)  # first: its gathered buffer is free before its gradients are flattened
-        if not unit.returned_parameters:
-            self.reducer.reduce(unit)
-
-    def _start_backward(self, _param: Optional[Tensor]) -> None:  # also a post-accumulate-grad hook (_watch_parameters)
-        if not self.state.backward_running:
-            self.state.begin_backward()
-            # what trains is what requires grad now, as autograd's own accumulation reads it: a pass since the
-            # unit's forward may have frozen it for its own use and unfrozen it after (peft's disable_adapter())
-            for unit in self.units:
-                self._follow_requires_grad(unit)
-            # before this backward adds to what no_sync() left (inside it, the intact marks stay)
-            self.reducer.marks.forget_zeroed(keep=not self.reducer.sync_grads)
-            self.schedule.start_backward()
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-
-    def _finish_backward(self) -> None:
-        state = self.state
-        state.end_backward()  # (what awaited it is forgotten: its graph was the one awaited)
-        self.autocast_casts.backward_ended()
-        if torch.is_grad_enabled():  # create_graph=True: keep what its graph reads
-            state.keep_graph()
-        try:
-            if self.host_stepper is not None and self.host_stepper.armed is not None:
-                # units step as their reductions land, the last of them now: what code wrote into a copy still
-                # gathered (the step's root, a unit read outside itself) is kept first (a write after this one, while
-                # the units step, would be a stale copy's)
-                for unit in self.units:
-                    self.schedule.write_back(unit)
-            self.reducer.finish()
-            if self.host_stepper is not None:  # offload's overlapped step, where armed: what needs every unit
-                self.host_stepper.landed()
-                self.host_stepper.decide(self.nonfinite is not None and self.reducer.first_nonfinite,
-                                         self.total_grad_norm)
-        except BaseException:
-            if self.host_stepper is not None:
-                self.host_stepper.cancel()
-            raise
-        finally:  # after an error too
-            for unit in self.units:
-                unit.await_calls_again()
-                if state.graph_kept and not unit.parameters_watched:  # the next backward may reach them
-                    self._watch_parameters(unit)  # through the kept graph only (a penalty backpropagated alone)
-            self._free_after_backward(keep_storage=state.graph_kept)
-
-    def _free_after_backward(self, keep_storage: bool = False) -> None:
-        """The tree holds the shard parameters again, with their gradients (what an optimizer must be given); a step's
-        root stays gathered. ``keep_storage``: the gathered buffers stay allocated, for the kept graph to read."""
-        if not keep_storage:
-            self.state.drop_graph()
-        for unit in self.units:
-            if unit is not self.root_unit or self.state.depth == 0:
-                self.schedule.reshard(unit, keep_storage or unit.read_outside)
-
-    def _recover_from_failed_backward(self) -> None:
-        """A backward raised (e.g. a caught out-of-memory) before its final callback ran: drop its partial
-        gradients and in-flight reductions, so that the next step starts clean."""
-        self.state.end_backward()
-        self.state.drop_graph()
-        self.reducer.abandon()
-        if self.host_stepper is not None:
-            self.host_stepper.abandon()
-        for unit in self.units:
-            unit.forget_calls()
-            for param in unit.storage.gathered_params:
-                param.grad = None
-            unit.storage.unsharded.drop()
-            self.schedule.reshard(unit)
+    @apply_checks.setter
+    def apply_checks(self, checks: Any) -> None:
+        self.guards.apply_checks = checks

@@ -28,7 +28,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -62,7 +62,7 @@ class _Reduction:
 
 class GradientReducer:
     def __init__(self, units: list[Unit], groups: ShardGroups, reduce_dtype: Optional[torch.dtype],
-                 stats: CommStats, schedule: GatherSchedule) -> None:
+                 stats: CommStats, schedule: GatherSchedule, host_stepper: Any = None) -> None:
         self.units = units
         self.groups = groups
         self.group = groups.world  # finiteness (device flags)
@@ -89,7 +89,7 @@ class GradientReducer:
         self._trainable_check: Optional[Pending] = None  # the ranks' comparison of what they train, in flight
         self._handed: list[Unit] = []  # one rank: units whose gradients go to their shards as they are, at the end
         self.left_unreduced = False  # the last backward ran inside no_sync(): the gathered parameters hold gradients
-        self.host_stepper = None  # offload's overlapped step (host_step.py): takes gradients as they land
+        self.host_stepper = host_stepper  # offload's overlapped step (host_step.py): takes gradients as they land
 
     @property
     def in_flight(self) -> bool:

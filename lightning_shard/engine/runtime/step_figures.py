@@ -16,6 +16,10 @@ class StepFigures:
         self._total: Optional[dict[str, float]] = None
         self.forward_since_step = True  # a training forward ran since the last optimizer step
 
+    def training_forward(self) -> None:
+        """A forward with gradients began a step: the next optimizer step's figures start a new step's."""
+        self.forward_since_step = True
+
     def close_part(self) -> None:
         """An optimizer step ran: its figures are a part of the step's (a new step's first, after a forward)."""
         if self.forward_since_step:  # else another optimizer of the same step (manual optimization)

@@ -4,23 +4,49 @@ does the same when called outside a step. The root unit stays gathered from the 
 has finished, since backward begins with it. A step's start is where what the ranks agree on once a step is agreed
 (the parameters they train, the buffers) and where the last step's leftovers are cleared.
 
-Mixed into ShardRuntime (hooks.py): its units, schedule, reducer, elision, groups and step state."""
+Scopes open and close the step's state (step_state.py): a step's start, a nested call, its close."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
+from lightning_shard.engine.comm.groups import ShardGroups
 from lightning_shard.engine.runtime.arguments import expects_backward, explain_mixed_dtype_on_cpu, in_backward
 from lightning_shard.engine.runtime.backward_watch import refuse_unseen_gradients, watch_outputs
+from lightning_shard.engine.runtime.buffers import ModuleBuffers
+from lightning_shard.engine.runtime.elision import BackwardElision
+from lightning_shard.engine.runtime.gather import GatherSchedule
+from lightning_shard.engine.runtime.reduce import GradientReducer
+from lightning_shard.engine.runtime.step_figures import StepFigures
+from lightning_shard.engine.runtime.step_state import StepState
+from lightning_shard.engine.runtime.unit_hooks import UnitHooks
+from lightning_shard.engine.storage.unit import Unit
 
 
 class StepScope:
+    def __init__(self, state: StepState, units: list[Unit], root_unit: Optional[Unit], groups: ShardGroups,
+                 schedule: GatherSchedule, reducer: GradientReducer, elision: BackwardElision, buffers: ModuleBuffers,
+                 figures: StepFigures, hooks: UnitHooks) -> None:
+        self.state = state
+        self.units = units
+        self.root_unit = root_unit
+        self.groups = groups
+        self.world_size = groups.world_size
+        self.schedule = schedule
+        self.reducer = reducer
+        self.elision = elision
+        self.buffers = buffers
+        self.figures = figures
+        self.hooks = hooks  # (what trains followed; a failed backward recovered from; the root's backward seen)
+        self.driven = False  # run_step is in use: a bare root forward is not a step
+        self.restage_each_step = True  # offload: staging copies made again at each step's first gathers (offload.py)
+
     def run_step(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run one ``*_step`` as the root's scope (see the module note)."""
-        self._steps_driven = True
-        self._enter_step(step=True)
+        self.driven = True
+        self.enter_step(step=True)
         output, failed = None, True
         try:
             output = step(*args, **kwargs)
@@ -30,9 +56,14 @@ class StepScope:
             explain_mixed_dtype_on_cpu(err, self.units)
             raise
         finally:
-            self._exit_step(output, failed)
+            self.exit_step(output, failed)
 
-    def _enter_step(self, step: bool) -> None:
+    def enter_root(self) -> None:
+        """The root module's forward (or a call entering below it: entries.py) opens a scope: a step of its own where
+        no one calls :meth:`run_step`."""
+        self.enter_step(step=not self.driven)
+
+    def enter_step(self, step: bool) -> None:
         """``step``: a training/eval step every rank runs (``run_step``, or a root forward where no one calls
         ``run_step``), not a forward outside the steps (a callback's sample on rank 0): only a step runs the
         ranks' agreements (the trainable parameters, the buffers), which every rank must join."""
@@ -46,7 +77,7 @@ class StepScope:
             state.nest()
             return
         if state.depth == 0 and state.backward_running and not in_backward():
-            self._recover_from_failed_backward()
+            self.hooks.recover_from_failed_backward()
         if state.depth == 0 and not state.backward_running:
             joined = step and self.groups.shard_size > 1  # every rank runs it: may agree at its end
             if not self.reducer.left_unreduced:
@@ -60,16 +91,14 @@ class StepScope:
                     unit.forget_calls()
                     unit.read_outside = unit.returned_parameters = False
             for unit in self.units:
-                self._follow_requires_grad(unit)
+                self.hooks.follow_requires_grad(unit)
             if step and self.world_size > 1 and torch.is_grad_enabled():
                 self.reducer.compare_trainable()
-            if step and self.broadcast_buffers:
-                if self._buffers_stale:
-                    self.sync_buffers()
+            if step:
                 # DDP's broadcast_buffers: the next step starts from rank 0's buffers if this one may change them
-                self._buffers_stale = torch.is_grad_enabled() and self.reducer.sync_grads
+                self.buffers.before_step(may_change=torch.is_grad_enabled() and self.reducer.sync_grads)
             if torch.is_grad_enabled():
-                self.figures.forward_since_step = True
+                self.figures.training_forward()
             if self.root_unit is not None:
                 self.schedule.gather(self.root_unit, exposed=True)
             self.schedule.start_forward()
@@ -78,10 +107,10 @@ class StepScope:
             return
         state.nest()
 
-    def _exit_step(self, output: Any, failed: bool = False) -> None:
+    def exit_step(self, output: Any, failed: bool = False) -> None:
         """``failed``: the step is raising (on this rank only, maybe): nothing is agreed, the error goes on."""
         state = self.state
-        if state.depth == 0:  # its _enter_step raised (the root's forward hook runs even so)
+        if state.depth == 0:  # its enter_step raised (the root's forward hook runs even so)
             return
         state.close()
         if state.depth > 0 or state.held:
@@ -98,4 +127,5 @@ class StepScope:
             return
         state.await_backward()  # the next root call is no new step for the units' calls, whose backward is to come
         if self.root_unit is not None:  # gathered again should a backward begin after one freed it (retain_graph)
-            watch_outputs(output, lambda _: self._pre_backward(self.root_unit))
+            root_unit, hooks = self.root_unit, self.hooks
+            watch_outputs(output, lambda _: hooks.pre_backward(root_unit))
