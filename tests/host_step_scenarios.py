@@ -246,7 +246,7 @@ def frozen_units_move_nothing(rank: int, world: int, offload: str) -> dict:
         runtime = trainer.strategy.runtime
         states[mode] = full_state_dict(runtime, rank0_only=False)
         if mode is not None:
-            copies = {unit.name: unit.storage._stagings + unit.storage.uploads for unit in runtime.units}
+            copies = {unit.name: unit.storage.host.stagings + unit.storage.host.uploads for unit in runtime.units}
     return {"copies": copies, "differ": [k for k in states[None] if not torch.equal(states[None][k], states[offload][k])]}
 
 

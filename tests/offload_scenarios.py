@@ -100,7 +100,7 @@ def same_as_without(rank: int, world: int, optimizer: str) -> dict:
             "weights": [k for k in expected if not torch.equal(state[k], expected[k])],
             "offloaded": all(s.offloaded for s in storages),
             "skipped": trainer.strategy.runtime.skipped_steps,
-            "kept_on_device": [s.keep_on_device for s in storages],
+            "kept_on_device": [s.host.keep_on_device for s in storages],
         }
     return report
 

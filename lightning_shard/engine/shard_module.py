@@ -39,8 +39,8 @@ from lightning_shard.engine.runtime.mirrors import misaligned_mirrors
 from lightning_shard.engine.storage import quantized
 from lightning_shard.engine.storage.flat_shard import FlatShard, ParamSlot
 from lightning_shard.engine.storage.mixed_layout import flatten_mixed, is_mixed
-from lightning_shard.engine.storage.mixed_shard import HostMixedShard, MixedShard
-from lightning_shard.engine.storage.offload import HostShard, validate_offload
+from lightning_shard.engine.storage.mixed_shard import MixedShard
+from lightning_shard.engine.storage.offload import HostMaster, validate_offload
 from lightning_shard.engine.storage.outside import adopt
 from lightning_shard.engine.storage.refusals import (
     refuse_aliased_parameters,
@@ -163,10 +163,10 @@ def shard_module(
         plan.params.clear()  # the unit's full tensors go with their last reference
         if world > 1:
             dist.broadcast(flat, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-        storage_class = (MixedShard if mixed else FlatShard) if offload is None else (
-            HostMixedShard if mixed else HostShard)
-        storage = storage_class(slots, flat, groups.shard_rank, groups.shard_size, param_dtype=computes_in,
-                                **({} if offload is None else {"keep_on_device": offload == "optimizer"}))
+        # where the shard lives: on the device, or its master in host memory (offload)
+        host = None if offload is None else HostMaster(flat.device, keep_on_device=offload == "optimizer")
+        storage = (MixedShard if mixed else FlatShard)(slots, flat, groups.shard_rank, groups.shard_size,
+                                                       param_dtype=computes_in, host=host)
         del flat
         storage.use_shards()
         unit = Unit(plan.name, members, storage, reshard_after_forward=sharding in ("full", "hybrid") and not is_root)

@@ -304,7 +304,7 @@ def estimate_sharded(runtime: Any, sharding: str, prefetch: int, optimizer: Call
     profile = optimizer_profile(optimizer, master, whole, first.shard.device,  # offloaded: the host
                                 host_step=first.offloaded)
     return combine(sizes, master, first.param_dtype, sharding, prefetch, profile, buffers, 0,
-                   step_group_numel, "optimizer" if first.offloaded and first.keep_on_device
+                   step_group_numel, "optimizer" if first.offloaded and first.host.keep_on_device
                    else "params" if first.offloaded else None, held)
 
 

@@ -66,7 +66,7 @@ def run_one(name: str, config: str, device: str, steps: int, warmup: int) -> dic
     from lightning_shard import ShardStrategy
     from lightning_shard.engine.optim.host_step import HostStepper
     from lightning_shard.engine.optim.optimizer_step import ShardedStep
-    from lightning_shard.engine.storage.offload import HostShard
+    from lightning_shard.engine.storage.offload import HostMaster
 
     config_only, _, threads = config.partition("@")
     if threads:
@@ -102,7 +102,7 @@ def run_one(name: str, config: str, device: str, steps: int, warmup: int) -> dic
     # for the worker), the overlapped step's worker stepping units, the bf16 staging casts (with any wait for the
     # previous copy from them), the wait for the gradients' copies to the host (the worker's too)
     phases = PhaseTimer({"optimizer": (ShardedStep, "_step"), "worker": (HostStepper, "_step_unit"),
-                         "staging": (HostShard, "_staged"), "grad_wait": (HostShard, "await_host_grads")})
+                         "staging": (HostMaster, "_staged"), "grad_wait": (HostMaster, "await_host_grads")})
     torch.manual_seed(0)
     module = LitLlama()
     strategy = ShardStrategy(offload=offload, offload_overlap=not mode.endswith("-serial"))

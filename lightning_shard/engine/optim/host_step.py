@@ -79,7 +79,7 @@ class HostStepper:
         self.finish()
         self.disarm()
         optimizer: Optimizer = step.optimizer
-        if step.whole or not self.units or not all(getattr(unit.storage, "steps_overlapped", False)
+        if step.whole or not self.units or not all(unit.storage.offloaded and unit.storage.steps_overlapped
                                                    for unit in self.units):
             return False  # (a unit of several dtypes, or one not offloaded)
         if optimizer._optimizer_step_pre_hooks or any(not isinstance(getattr(hook, "__self__", None), StepWatch)
@@ -150,7 +150,7 @@ class HostStepper:
                 armed.budget -= numel
                 self._queue(armed, index, backup=True)
 
-        self._worker.submit(land, ready=storage.grads_arrived)
+        self._worker.submit(land, ready=storage.host.grads_arrived)
         return True
 
     def landed(self) -> None:
@@ -341,7 +341,7 @@ class HostStepper:
                 f" ({written[:4]}): offload's overlapped step runs it once per unit, and again where clipping redoes a"
                 " step, so it would write that more than once. Keep such state in optimizer.state[param] (and the"
                 " gradients as they are), or set offload_overlap=False.")
-        unit.storage.stage_after_step(self._copy_stream)
+        unit.storage.host.stage_after_step(unit.storage, self._copy_stream)
 
     def _undo_speculation(self, armed: Arming) -> None:
         """Put back what the backed-up steps changed (the worker paused): those units are stepped again after the
@@ -356,7 +356,7 @@ class HostStepper:
                         optimizer.state.pop(param, None)
                     else:
                         optimizer.state[param] = state
-                storage.forget_staging()
+                storage.host.forget_staging()
                 del armed.stepped[index]
                 armed.done.discard(index)
                 self.redone_units += 1

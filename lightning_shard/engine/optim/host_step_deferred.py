@@ -1,7 +1,7 @@
 """Offload's overlapped step after ``optimizer.step()`` returned (host_step.py, armed with ``finish_in_forward``): the
 units the worker has not stepped yet, what waits for each of them, and what waits for them all.
 
-Each such unit's shard waits for its own step (``HostShard.await_step``): its gather, a prefetch of it, any use of its
+Each such unit's shard waits for its own step (``HostMaster.await_step``): its gather, a prefetch of it, any use of its
 shard parameters (their guard, engine/storage/offload.py), a direct read of its master shard; so the next forward runs
 behind the worker. What reads the optimizer's state or every unit (checkpoints, the next arming, the next step, step
 post-hooks) waits for them all (:meth:`DeferredSteps.finish`). Nothing on the way from the step to the forward may wait
@@ -39,7 +39,7 @@ class DeferredSteps:
         armed.pending = set(armed.queued) - armed.done
         armed.pending_at_commit = frozenset(armed.pending)
         for index in armed.pending:
-            self._by_index[index].storage.await_step = functools.partial(self._await_unit, index)
+            self._by_index[index].storage.host.await_step = functools.partial(self._await_unit, index)
         if armed.pending:
             self.in_flight = armed
 
@@ -50,7 +50,7 @@ class DeferredSteps:
         if index not in armed.pending:
             return
         armed.pending.discard(index)
-        self._by_index[index].storage.stepped_late()
+        self._by_index[index].storage.host.stepped_late()
         self.deferred_units += 1
         if armed.free_grads:
             for param in (p for ps in armed.params[index] for p in ps):
@@ -113,5 +113,5 @@ class DeferredSteps:
         """Nothing waits for ``armed``'s units any more (all stepped, or an error raised)."""
         with self._worker.lock:
             for index in armed.pending:
-                self._by_index[index].storage.await_step = None
+                self._by_index[index].storage.host.await_step = None
             armed.pending.clear()

@@ -10,6 +10,10 @@ Each original parameter appears twice:
 * a **gathered parameter**: an ``nn.Parameter`` of the original shape viewing the gathered buffer. It
   is what the module computes with, and where autograd accumulates the unsharded gradient.
 
+Where the shard lives is a part the storage holds, for either layout (this one, or a unit of several dtypes:
+mixed_shard.py): on the device (``host`` None), or its master in host memory under offload (``host``, a
+:class:`HostMaster`: offload.py), which then makes the gather input and keeps the copies.
+
 Note: the gathered buffer is freed by resizing its storage to zero, never by dropping the tensor, so
 the gathered parameters (and anything autograd saved of them) stay valid after a re-gather.
 """
@@ -17,20 +21,32 @@ the gathered parameters (and anything autograd saved of them) stay valid after a
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor, nn
 
+from lightning_shard.engine.storage.offload import HostMaster
 from lightning_shard.engine.storage.outside import GatheredParameters, ShardParameters
 from lightning_shard.engine.storage.slots import ParamSlot, _refuse_autograd_grads
 from lightning_shard.engine.storage.shard_grads import ShardGrads
 from lightning_shard.engine.storage.unsharded_grads import UnshardedGrads
 
 
+class _HostMasterShard:
+    """``shard`` of a storage whose master lives in host memory: its host part's, read after the unit's step where that
+    is still to come (offload.py). A storage on the device holds its shard in its own ``__dict__``, which Python reads
+    before this (it has no ``__set__``): there a plain attribute, read at every gather as cheaply as any."""
+
+    def __get__(self, storage: Any, owner: type) -> Any:
+        if storage is None:
+            return self
+        return storage.host.settled_master()
+
+
 class FlatShard(ShardGrads):
-    offloaded = False  # the master shard in host memory, stepped there (engine/storage/offload.py)
-    shard_parameter: type = nn.Parameter  # the class of the shard parameters
+    shard = _HostMasterShard()  # (a plain attribute where the shard is on the device: see the class's note)
+    steps_overlapped = True  # offloaded, its optimizer step may run as its gradients land (host_step.py)
 
     def __init__(
         self,
@@ -39,8 +55,12 @@ class FlatShard(ShardGrads):
         rank: int,
         world_size: int,
         param_dtype: Optional[torch.dtype] = None,
+        host: Optional[HostMaster] = None,
     ) -> None:
-        """``flat`` is the full unsharded, unpadded buffer (identical on every rank); it is not kept."""
+        """``flat`` is the full unsharded, unpadded buffer (identical on every rank); it is not kept. ``host``: the
+        master shard in host memory (offload.py)."""
+        self.host = host
+        self.offloaded = host is not None  # the master shard in host memory, stepped there
         self.slots = slots
         self.rank, self.world_size = rank, world_size
         total = flat.numel()
@@ -58,7 +78,7 @@ class FlatShard(ShardGrads):
         lo, hi = self.shard_start, min(self.shard_start + self.shard_numel, total)
         if hi > lo:
             shard[: hi - lo].copy_(flat[lo:hi])
-        self.shard = shard
+        self._keep_shard(shard)
 
         # With one shard and no cast the gathered buffer *is* the shard: nothing to gather or free.
         self.aliases_shard = world_size == 1 and self.param_dtype == self.master_dtype and not self.offloaded
@@ -100,6 +120,20 @@ class FlatShard(ShardGrads):
         # ``.grad`` keep it alive, so ``zero_grad(set_to_none=True)`` frees it as it does without sharding
         self._shard_grad: Optional[weakref.ref] = None
         self._shard_grad_views: dict[int, weakref.ref] = {}
+        self._bind_host()
+
+    def _keep_shard(self, shard: Tensor) -> None:
+        """The master shard: this storage's own attribute on the device; offloaded, its host part's (read through
+        :class:`_HostMasterShard`)."""
+        if self.host is None:
+            self.shard = shard
+        else:
+            assert shard is self.host.master
+
+    def _bind_host(self) -> None:
+        """Offloaded: the host part told the layout, once the storage has one (its staging copy)."""
+        if self.host is not None:
+            self.host.bind(self.shard_numel, self.gathered.dtype, self.param_dtype, self.master_dtype)
 
     def _index_params(self) -> None:
         """Where each parameter is registered in the module tree, per module: swapped at every gather and free of a
@@ -136,7 +170,9 @@ class FlatShard(ShardGrads):
 
     def _make_shard_param(self, slot: ParamSlot) -> nn.Parameter:
         lo, hi = self.shard_range(slot)
-        param = self.shard_parameter(self.shard[lo:hi], requires_grad=slot.requires_grad)
+        # offloaded: a parameter whose `.data` makes the host's copies stale (offload.py)
+        cls = nn.Parameter if self.host is None else self.host.parameter_class
+        param = cls(self.shard[lo:hi], requires_grad=slot.requires_grad)
         if slot.requires_grad:
             _refuse_autograd_grads(param, slot)
         return param
@@ -163,20 +199,34 @@ class FlatShard(ShardGrads):
         return self.gathered
 
     def free(self) -> None:
+        if self.host is not None:
+            self.host.freed()
         if not self.aliases_shard:
             self.gathered.untyped_storage().resize_(0)
             self._allocated = False
 
     def _new_shard(self, numel: int, dtype: torch.dtype) -> Tensor:
+        if self.host is not None:
+            return self.host.new_master(numel, dtype)
         return torch.zeros(numel, dtype=dtype, device=self.device)
 
     def shard_for_gather(self) -> Tensor:
-        """This rank's contribution to the all-gather, in the compute dtype, on the compute device."""
+        """This rank's contribution to the all-gather, in the compute dtype, on the compute device (offloaded: the host
+        part's copy in)."""
+        if self.host is not None:
+            return self.host.gather_input(self)
+        return self._gather_input()
+
+    def _gather_input(self) -> Tensor:
+        """:meth:`shard_for_gather` of a shard on the device."""
         return self.shard.to(self.param_dtype)
 
     def fill_gathered(self, buffer: Tensor) -> None:
         """One rank: the gathered buffer is this rank's shard in the compute dtype (``buffer``: :attr:`gathered_data`)."""
-        self.write_gather_input(buffer)
+        if self.host is not None:
+            self.host.fill_gathered(self, buffer)
+        else:
+            self.write_gather_input(buffer)
 
     def write_gather_input(self, out: Tensor) -> None:
         """Write this rank's contribution to the all-gather into ``out`` (one shard of the gathered buffer's dtype)."""
@@ -188,11 +238,22 @@ class FlatShard(ShardGrads):
         is the whole parameter, each keeps its own part, so the write is kept as it is under DDP. Computing in the
         master dtype it is a copy (the same values where nothing wrote); in a lower one only the elements that differ
         from the shard's cast are taken, in that dtype (the masters elsewhere keep their precision). (No autograd:
-        the shard and the gathered buffer's ``.data`` record none, and ``no_grad`` costs more than the rest.)"""
+        the shard and the gathered buffer's ``.data`` record none, and ``no_grad`` costs more than the rest.)
+        Offloaded, this rank's part is compared on the device with the copy it was gathered from first, and only where
+        code wrote it brought to the host and kept, the device's copies then made again (offload.py)."""
         self.adopt_rebound_gathered()
         if self.aliases_shard:  # the gathered buffer is the shard
             return
-        # (offloaded: brought to the host, where the master is; HostShard does so only where code wrote it)
+        host = self.host
+        if host is not None and host.unwritten(self.gathered_data[self.shard_start : self.shard_start + self.shard_numel]):
+            return
+        self._write_back_part()
+        if host is not None:
+            host.written_back()
+
+    def _write_back_part(self) -> None:
+        """:meth:`write_back` of this layout: this rank's part of the gathered buffer into its shard."""
+        # (offloaded: brought to the host, where the master is)
         local = self.gathered_data[self.shard_start : self.shard_start + self.shard_numel].to(self.shard.device)
         if not self.computes_lower:
             self.shard.copy_(local)
@@ -275,13 +336,19 @@ class FlatShard(ShardGrads):
 
     def shards_changed(self) -> None:
         """The shards were written (an optimizer step, a load): copies of them elsewhere are stale."""
+        if self.host is not None:
+            self.host.shards_changed()
 
     def grad_to_host(self, reduced: Tensor) -> Tensor:
         """Where the reduced gradient shard is accumulated: here, where it is (offloaded: host memory)."""
+        if self.host is not None:
+            return self.host.grad_to_host(reduced)
         return reduced
 
     def await_host_grads(self) -> None:
         """Before the host reads what :meth:`grad_to_host` returned (offloaded: its copy has landed)."""
+        if self.host is not None:
+            self.host.await_host_grads()
 
     # -- module attributes --------------------------------------------------------------------------
     def use_gathered(self) -> None:

@@ -28,14 +28,21 @@ from torch import Tensor, nn
 from lightning_shard.engine.storage import quantized
 from lightning_shard.engine.storage.flat_shard import FlatShard, _refuse_autograd_grads
 from lightning_shard.engine.storage.mixed_layout import MixedLayout, MixedSlot, master_layout, part
-from lightning_shard.engine.storage.offload import HostShard
+from lightning_shard.engine.storage.offload import HostMaster
 from lightning_shard.engine.storage.unsharded_grads import UnshardedGrads
 
 
 class MixedShard(FlatShard):
+    # offloaded, not stepped as its gradients land (host_step.py): its staging copy is bytes that the overlapped
+    # step's device copy does not make
+    steps_overlapped = False
+
     def __init__(self, layout: MixedLayout, flat: Tensor, rank: int, world_size: int,  # type: ignore[override]
-                 param_dtype: Optional[torch.dtype] = None) -> None:
-        """``flat``: the unit's full buffer in master dtypes, bytes at each slot's ``source`` (mixed_layout.py)."""
+                 param_dtype: Optional[torch.dtype] = None, host: Optional[HostMaster] = None) -> None:
+        """``flat``: the unit's full buffer in master dtypes, bytes at each slot's ``source`` (mixed_layout.py).
+        ``host``: the master shard in host memory (offload.py)."""
+        self.host = host
+        self.offloaded = host is not None
         self.slots = slots = layout.slots
         self.rank, self.world_size = rank, world_size
         self.shard_numel = layout.shard_nbytes  # bytes
@@ -59,7 +66,7 @@ class MixedShard(FlatShard):
             if hi > lo:
                 source = flat[slot.source : slot.source + slot.master_nbytes].view(slot.master_dtype)
                 self._master_view(shard, i, lo, hi).copy_(source[lo:hi])
-        self.shard = shard
+        self._keep_shard(shard)
 
         self.aliases_shard = world_size == 1 and not self.computes_lower and not self.offloaded
         self.casts_on_compute = world_size == 1 and not self.aliases_shard and not self.offloaded
@@ -77,6 +84,7 @@ class MixedShard(FlatShard):
         self._shard_grad_views: dict[int, weakref.ref] = {}
         self._grad_layout_of: Optional[tuple] = None
         self._reduced_slots = set(self.trainable)  # the slots that have trained: those reduced (see _grad_layout)
+        self._bind_host()
 
     # -- layout -------------------------------------------------------------------------------------
     def param_range(self, slot: MixedSlot, rank: int) -> tuple[int, int]:  # type: ignore[override]
@@ -111,7 +119,7 @@ class MixedShard(FlatShard):
         return runs
 
     # -- parameters -----------------------------------------------------------------------------------
-    def _shard_param(self, i: int) -> nn.Parameter:
+    def _shard_param(self, i: int) -> nn.Parameter:  # (a plain nn.Parameter, offloaded too)
         slot = self.slots[i]
         lo, hi = self.param_range(slot, self.rank)
         param = nn.Parameter(self._master_view(self.shard, i, lo, hi), requires_grad=slot.requires_grad)
@@ -165,7 +173,7 @@ class MixedShard(FlatShard):
         return unfrozen
 
     # -- gathering ------------------------------------------------------------------------------------
-    def shard_for_gather(self) -> Tensor:
+    def _gather_input(self) -> Tensor:
         """The rank's range of its own master shard, the cast slots' parts cast into their places there first (bytes
         nothing else reads): no copy of the rest, which a LoRA unit's frozen base is."""
         self._write_casts(self.shard.data)  # (derived bytes: not a write to the shard its version counter should see)
@@ -305,15 +313,12 @@ class MixedShard(FlatShard):
             view = self._gathered_view(i if key is None else states[slot.quant.state_name(key)])
             view.copy_(value.reshape(view.shape))
 
-    def write_back(self) -> None:
+    def _write_back_part(self) -> None:
         """This rank's part of the gathered bytes into its shard, where code wrote the gathered copy (``p.data.clamp_()``,
         ``p.data = ...``): every rank's copy is the whole parameter and each keeps its own part, as DDP keeps the
         write. The slots gathered as they are stored are those bytes (a copy: the same bytes where nothing wrote); a
         cast slot (an fp32 adapter gathered in bf16) takes the elements that differ from its master's cast, in the
         gathered dtype, and its other elements keep their master's precision. (No collective, no host sync.)"""
-        self.adopt_rebound_gathered()
-        if self.aliases_shard:  # the gathered buffer is the shard
-            return
         local = self.gathered_data[self.shard_start : self.shard_start + self.shard_numel].to(self.shard.device)
         for at, master_at, numel, master, gather in self._runs:
             written = local[at : at + numel * gather.itemsize].view(gather)
@@ -377,11 +382,3 @@ class MixedUnshardedGrads(UnshardedGrads):
                     flat[at : at + hi - lo].zero_()
                 at += hi - lo
         used.difference_update(dropped)
-
-
-class HostMixedShard(HostShard, MixedShard):
-    """A :class:`MixedShard` offloaded: HostShard's host-side behaviour over MixedShard's byte layout (its staging
-    copy is the gather input, which MixedShard writes). Not stepped as its gradients land (host_step.py): its staging
-    copy is bytes that the overlapped step's device copy does not make."""
-
-    steps_overlapped = False

@@ -33,7 +33,6 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor, nn
 
-from lightning_shard.engine.storage.flat_shard import FlatShard, ParamSlot
 
 OFFLOAD = (None, "optimizer", "params")
 
@@ -88,9 +87,9 @@ _METADATA = frozenset([*(getattr(Tensor, name).__get__ for name in (
 
 def _after_the_step(cls: type, func: Callable, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
     """The shard parameters' ``__torch_function__`` while their unit's step is still to come: any use waits for it."""
-    storage = cls._host_shard()
-    if storage is not None and storage.await_step is not None and func not in _METADATA:
-        storage.settle()
+    host = cls._host()
+    if host is not None and host.await_step is not None and func not in _METADATA:
+        host.settle()
     with torch._C.DisableTorchFunctionSubclass():  # (as nn.Parameter: plain tensors out)
         return func(*args, **(kwargs or {}))
 
@@ -106,7 +105,7 @@ class _HostShardParameter(nn.Parameter):
     of its values (``_METADATA``: its shape, dtype, ``requires_grad``): a step's start reads those of every unit, and
     the forward would wait for the whole step there."""
 
-    _host_shard: Callable[[], Optional["HostShard"]]
+    _host: Callable[[], Optional["HostMaster"]]
 
     @property  # type: ignore[override]
     def data(self) -> Tensor:
@@ -119,54 +118,58 @@ class _HostShardParameter(nn.Parameter):
         Tensor.data.__set__(self, value)
 
     def _copies_stale(self) -> None:
-        storage = self._host_shard()
-        if storage is not None:
-            storage.forget_staging()
+        host = self._host()
+        if host is not None:
+            host.forget_staging()
 
 
-class HostShard(FlatShard):
-    """A :class:`FlatShard` whose master shard (and so the shard parameters, their gradients and the optimizer's
-    state) lives in host memory; ``keep_on_device``: the compute-dtype shard stays on the device between steps."""
+class HostMaster:
+    """Where an offloaded unit's shard lives: its master (and so the shard parameters, their gradients and the
+    optimizer's state) in host memory, and the copies that move it: the staging copy in the gather dtype, the device's
+    copy (``keep_on_device``: the compute-dtype shard stays on the device between steps), the gradient shards brought
+    back. A part of the unit's storage (``FlatShard.host``, either layout), which hands itself to the calls that need
+    its layout (the gather input it writes)."""
 
-    offloaded = True
-    steps_overlapped = True  # its optimizer step may run as its gradients land (host_step.py)
-    _await_step: Optional[Callable[[], None]] = None
-    _sent: Optional[Tensor] = None  # what the gathered buffer was made of, while it is allocated (_device_copy)
-
-    def __init__(self, slots: list[ParamSlot], flat: Tensor, rank: int, world_size: int,
-                 param_dtype: Optional[torch.dtype] = None, *, keep_on_device: bool) -> None:
-        self.pinned = flat.device.type == "cuda"  # page-locked host memory, where a GPU copies from and to it
-        # the storage in a class attribute, one class per unit: an attribute of the tensor would be pickled with it
-        self.shard_parameter = type("HostShardParameter", (_HostShardParameter,), {"_host_shard": weakref.ref(self)})
-        super().__init__(slots, flat, rank, world_size, param_dtype)
+    def __init__(self, device: torch.device, keep_on_device: bool) -> None:
+        self.device = device  # where the unit computes
+        self.pinned = device.type == "cuda"  # page-locked host memory, where a GPU copies from and to it
         self.keep_on_device = keep_on_device
-        # in the gathered buffer's dtype (a unit of several dtypes: bytes, engine/storage/mixed_shard.py)
-        self._staging = torch.empty(self.shard_numel, dtype=self.gathered.dtype, pin_memory=self.pinned)
+        # this part in a class attribute, one class per unit: an attribute of the tensor would be pickled with it
+        self.parameter_class = type("HostShardParameter", (_HostShardParameter,), {"_host": weakref.ref(self)})
+        self.master: Optional[Tensor] = None  # the master shard, in host memory (read it through settled_master)
+        self._await_step: Optional[Callable[[], None]] = None
+        self._sent: Optional[Tensor] = None  # what the gathered buffer was made of, while it is allocated (_device_copy)
         self._stale = True  # the shards were written since the staging copy was made (shards_changed)
         self._staged_version = -1  # the shard's version counter when the staging copy was made
-        self._stagings = 0  # how many times the staging copy was made: what the device copy is of
-        self._staging_read = _Landed(self.device)  # the last copy from the staging buffer to the device
-        self._grads_landed = _Landed(self.device)
+        self.stagings = 0  # how many times the staging copy was made: what the device copy is of
+        self._staging_read = _Landed(device)  # the last copy from the staging buffer to the device
+        self._grads_landed = _Landed(device)
         self._on_device: Optional[Tensor] = None  # keep_on_device: the shard in the compute dtype
         self._on_device_of = -1  # the staging it copies
-        self._uploaded = _Landed(self.device)  # its copy queued by the overlapped step, on another stream
+        self._uploaded = _Landed(device)  # its copy queued by the overlapped step, on another stream
         self.uploads = 0  # copies of the master to the device the overlapped step made (tests)
         self._staged_by_step = False  # the overlapped step staged the new values: the step's end changes nothing
 
-    def _new_shard(self, numel: int, dtype: torch.dtype) -> Tensor:
-        return torch.zeros(numel, dtype=dtype, pin_memory=self.pinned)
+    def new_master(self, numel: int, dtype: torch.dtype) -> Tensor:
+        """The master shard, zeros in host memory (the storage fills it, then :meth:`bind` s this part to its layout)."""
+        self.master = torch.zeros(numel, dtype=dtype, pin_memory=self.pinned)
+        return self.master
 
-    @property  # type: ignore[override]
-    def shard(self) -> Tensor:
+    def bind(self, shard_numel: int, gather_dtype: torch.dtype, param_dtype: torch.dtype,
+             master_dtype: torch.dtype) -> None:
+        """The storage's layout, once it has one: the shard's elements (bytes, for a unit of several dtypes), the gathered
+        buffer's dtype, the compute and master dtypes."""
+        self.shard_numel, self.gather_dtype = shard_numel, gather_dtype
+        self.param_dtype, self.master_dtype = param_dtype, master_dtype
+        self._staging = torch.empty(shard_numel, dtype=gather_dtype, pin_memory=self.pinned)
+
+    def settled_master(self) -> Tensor:
         """This rank's master shard, after the unit's step where that is still to come (``finish_in_forward``): what
         reads or writes it directly, not through the shard parameters (a weight average's update after each step, a
         load), sees the stepped values, and is not overwritten by the step after it."""
         self.settle()
-        return self._master_shard
-
-    @shard.setter
-    def shard(self, value: Tensor) -> None:
-        self._master_shard = value
+        assert self.master is not None
+        return self.master
 
     @property
     def await_step(self) -> Optional[Callable[[], None]]:
@@ -177,7 +180,7 @@ class HostShard(FlatShard):
     def await_step(self, waiting: Optional[Callable[[], None]]) -> None:
         self._await_step = waiting
         # its shard parameters' guard only then: elsewhere a Python call per use (~1 us: 5 per parameter of a step)
-        self.shard_parameter.__torch_function__ = (classmethod(_after_the_step) if waiting is not None
+        self.parameter_class.__torch_function__ = (classmethod(_after_the_step) if waiting is not None
                                                    else torch._C._disabled_torch_function_impl)
 
     # -- host to device -----------------------------------------------------------------------------
@@ -194,6 +197,7 @@ class HostShard(FlatShard):
         self._staged_by_step = False
 
     def shards_changed(self) -> None:
+        """The storage's shards were written (an optimizer step, a load): its copies are stale."""
         self.settle()
         if self._staged_by_step:  # the optimizer step's end, after the overlapped step staged what it wrote
             self._staged_by_step = False
@@ -207,7 +211,7 @@ class HostShard(FlatShard):
         self._staged_by_step = False
         self._stale = True
 
-    def stage_after_step(self, copy_stream: Optional[torch.cuda.Stream]) -> None:
+    def stage_after_step(self, storage: Any, copy_stream: Optional[torch.cuda.Stream]) -> None:
         """The overlapped step (host_step.py, its worker thread), right after stepping this shard, while the device
         computes. ``params``: the staging copy made from the new values (the gathers copy it in). ``optimizer``: the
         master shard itself copied to the device on ``copy_stream`` and cast there into the device's copy, with no
@@ -215,80 +219,82 @@ class HostShard(FlatShard):
         only waits for that copy. Safe without a staging copy: the next write to this master is this unit's next
         step, after its next gradient landed, which the device made after a gather that waited for this copy; a
         write from anywhere else (an undone step, a load, ``p.data`` between steps) makes the next gather copy it
-        again after this copy, which it waits for first (:meth:`_device_copy`)."""
+        again after this copy, which it waits for first (:meth:`_device_copy`). ``storage``: the shard's, which writes
+        the staging copy."""
         if not self.keep_on_device:
             self._stale = True
-            self._staged()
+            self._staged(storage)
         else:
             if self._on_device is None:
                 self._on_device = torch.empty(self.shard_numel, dtype=self.param_dtype, device=self.device)
             with torch.cuda.stream(copy_stream) if copy_stream is not None else nullcontext():
                 if self.pinned and self.master_dtype != self.param_dtype:
                     master = torch.empty(self.shard_numel, dtype=self.master_dtype, device=self.device)
-                    master.copy_(self.shard, non_blocking=True)
+                    master.copy_(self.settled_master(), non_blocking=True)
                     self._on_device.copy_(master)  # the cast, on the device (round to nearest even, as the host's)
                 else:
-                    self._on_device.copy_(self.shard, non_blocking=True)
+                    self._on_device.copy_(self.settled_master(), non_blocking=True)
                 self._uploaded.record()
             self.uploads += 1
-            self._stale, self._staged_version = False, self.shard._version
-            self._on_device_of = self._stagings  # (the staging copy itself is rewritten before it is read again)
+            self._stale, self._staged_version = False, self.settled_master()._version
+            self._on_device_of = self.stagings  # (the staging copy itself is rewritten before it is read again)
         self._staged_by_step = True
 
-    def _staged(self) -> Tensor:
-        """The staging copy, rewritten first if the shard may have changed since (its version counter moved, or
-        :meth:`shards_changed`: fused optimizers and ``.data`` writes leave the counter alone)."""
-        version = self.shard._version  # (after this unit's step, where it is still to come: the property waits)
+    def _staged(self, storage: Any) -> Tensor:
+        """The staging copy, rewritten first (by ``storage``, in its layout) if the shard may have changed since (its
+        version counter moved, or :meth:`shards_changed`: fused optimizers and ``.data`` writes leave the counter
+        alone)."""
+        version = self.settled_master()._version  # (after this unit's step, where it is still to come)
         if self._stale or self._staged_version != version:
             self._staging_read.wait()  # never rewrite what a queued copy still reads
-            self.write_gather_input(self._staging)
+            storage.write_gather_input(self._staging)
             self._stale, self._staged_version = False, version
-            self._stagings += 1
+            self.stagings += 1
         return self._staging
 
-    def _to_device(self, out: Tensor) -> Tensor:
-        out.copy_(self._staged(), non_blocking=True)
+    def _to_device(self, storage: Any, out: Tensor) -> Tensor:
+        out.copy_(self._staged(storage), non_blocking=True)
         self._staging_read.record()
         return out
 
-    def _device_copy(self) -> Tensor:
+    def _device_copy(self, storage: Any) -> Tensor:
         """The compute-dtype shard on the device, in the current stream's order (the gather stream's); kept as what
-        the gathered buffer was made of until the buffer is freed (:meth:`write_back` compares them)."""
+        the gathered buffer was made of until the buffer is freed (:meth:`unwritten` compares them)."""
         if not self.keep_on_device:
-            self._sent = self._to_device(torch.empty(self.shard_numel, dtype=self.gathered.dtype, device=self.device))
+            self._sent = self._to_device(storage, torch.empty(self.shard_numel, dtype=self.gather_dtype,
+                                                              device=self.device))
             return self._sent
-        staged = self._staged()  # (after this unit's step, where it is still to come)
+        staged = self._staged(storage)  # (after this unit's step, where it is still to come)
         self._uploaded.wait_on_device()  # a copy the overlapped step queued (on CUDA; else done already)
         if self._on_device is None:
-            self._on_device = torch.empty(self.shard_numel, dtype=self.gathered.dtype, device=self.device)
-        if self._on_device_of != self._stagings:
+            self._on_device = torch.empty(self.shard_numel, dtype=self.gather_dtype, device=self.device)
+        if self._on_device_of != self.stagings:
             self._on_device.copy_(staged, non_blocking=True)
             self._staging_read.record()
-            self._on_device_of = self._stagings
+            self._on_device_of = self.stagings
         self._sent = self._on_device
         return self._on_device
 
-    def shard_for_gather(self) -> Tensor:
-        return self._device_copy()
+    def gather_input(self, storage: Any) -> Tensor:
+        """This rank's contribution to the all-gather, on the device (``storage``: the shard's, which writes it)."""
+        return self._device_copy(storage)
 
-    def fill_gathered(self, buffer: Tensor) -> None:
-        buffer.copy_(self._device_copy())
+    def fill_gathered(self, storage: Any, buffer: Tensor) -> None:
+        """One rank: the gathered buffer is the shard copied in."""
+        buffer.copy_(self._device_copy(storage))
 
-    def free(self) -> None:
+    def freed(self) -> None:
+        """The gathered buffer was freed: nothing was sent into one."""
         self._sent = None
-        super().free()
 
-    def write_back(self) -> None:
-        """What code wrote into the gathered copy (a weight constraint at the top of ``training_step``, on the step's
-        root; a module clamping its own weight in its forward) kept in the master, in host memory. This rank's part of
-        the buffer is compared on the device with the copy it was gathered from (one wait for the device per unit
-        gathered where code may write it: an offloaded step waits for its host anyway); only where code wrote it is
-        it brought to the host and kept there as FlatShard keeps it, and the device's copies made again."""
-        self.adopt_rebound_gathered()
-        local = self.gathered_data[self.shard_start : self.shard_start + self.shard_numel]
-        if self._sent is not None and torch.equal(local, self._sent):
-            return
-        super().write_back()
+    def unwritten(self, local: Tensor) -> bool:
+        """Whether this rank's part of the gathered buffer (``local``, on the device) is still what was copied in: no
+        code wrote it, and nothing needs to come back to the host (one wait for the device per unit gathered where code
+        may write it: an offloaded step waits for its host anyway)."""
+        return self._sent is not None and torch.equal(local, self._sent)
+
+    def written_back(self) -> None:
+        """What code wrote into the gathered copy was kept in the master: the device's copies are made again."""
         self.forget_staging()
         self._sent = None  # (no longer what the master's copies will be: compared with the master from now on)
 
