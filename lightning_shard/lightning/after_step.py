@@ -72,11 +72,11 @@ def warn_if_shard_norms_logged(strategy: Any, trainer: "pl.Trainer") -> None:
     values are each rank's part of the norms, not the norms. Nothing in it can be corrected from here, so what it logs
     is told once (rank 0's values are the ones logged): values named as it names them, logged where the strategy's
     own ``grad_norm`` (the same names, the unsharded model's numbers) was never called."""
-    if strategy.runtime is None or strategy.runtime.grad_norms_read or getattr(strategy, "_told_shard_norms", False):
+    if strategy.runtime is None or strategy.runtime.grad_norms_read or strategy.told_shard_norms:
         return
     logged = [key for key in trainer.callback_metrics if _GRAD_NORM_KEY.search(key)]
     if logged:
-        strategy._told_shard_norms = True
+        strategy.told_shard_norms = True
         rank_zero_warn(
             f"lightning_shard: the logged {logged[0]!r} (and {len(logged) - 1} more) look like Lightning's"
             " `grad_norm(module, norm_type)`, which under ShardStrategy reads each rank's 1-D shard of every gradient:"

@@ -5,11 +5,10 @@ strategy that restores after setup, the callback's param groups in time)."""
 
 from __future__ import annotations
 
-import os
 import shlex
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -17,7 +16,6 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_shard.checkpoint import sharded
-from lightning_shard.checkpoint.export import save_pretrained
 from lightning_shard.checkpoint.export_checkpoint import RECORD, describe_pretrained
 from lightning_shard.checkpoint.files import CheckpointError
 from lightning_shard.checkpoint.fingerprint import check_fingerprints, fingerprints, frozen_names
@@ -27,7 +25,7 @@ from lightning_shard.checkpoint.full import (
     load_full_optimizer_state_dict,
     load_full_state_dict,
 )
-from lightning_shard.checkpoint.io import open_checkpoint, save_full, save_sharded
+from lightning_shard.checkpoint.io import save_full, save_sharded
 from lightning_shard.checkpoint.sharded_source import load_model_source, sharded_source
 from lightning_shard.engine.runtime.averaging import AveragedShards
 from lightning_shard.engine.runtime.hooks import ShardRuntime
@@ -35,69 +33,65 @@ from lightning_shard.lightning.finetuning import readd_finetuning_groups
 
 
 class CheckpointState:
-    """Mixed into ShardStrategy (which sets ``runtime``, ``state_dict_type`` and the Lightning attributes used)."""
+    """The checkpoint side of a ShardStrategy (a part of it): what its checkpoint hooks do, each handed the runtime, the
+    strategy's optimizers and its options (``state_dict_type``, ``save_frozen``) as they are when called."""
 
-    runtime: Optional[ShardRuntime]
-    state_dict_type: str
-    save_frozen: bool
-    _told_how_to_load = False
+    def __init__(self) -> None:
+        self._told_how_to_load = False  # rank 0 said, once, how a sharded checkpoint is read by one process
 
-    def _left_out(self) -> set[str]:
+    @staticmethod
+    def left_out(runtime: ShardRuntime, optimizers: list[Optimizer], save_frozen: bool) -> set[str]:
         """The parameters a checkpoint leaves out: under ``save_frozen=False`` the frozen ones never trained (every
         rank calls it)."""
-        assert self.runtime is not None
-        return set() if self.save_frozen else frozen_names(self.runtime, self.optimizers)
+        return set() if save_frozen else frozen_names(runtime, optimizers)
 
-    def _record(self) -> dict[str, Any]:
+    def record(self, runtime: ShardRuntime, optimizers: list[Optimizer], save_frozen: bool) -> dict[str, Any]:
         """What a resume and ``python -m lightning_shard.export`` need beyond the tensors (every rank calls it)."""
-        assert self.runtime is not None
-        left_out = self._left_out()
-        return {"trainable": [name for name, p in self.runtime.root.named_parameters() if p.requires_grad],
-                "pretrained": describe_pretrained(self.runtime.root),
+        left_out = self.left_out(runtime, optimizers, save_frozen)
+        return {"trainable": [name for name, p in runtime.root.named_parameters() if p.requires_grad],
+                "pretrained": describe_pretrained(runtime.root),
                 # the frozen parameters left out, each a fingerprint to check the base a resume starts from
-                "left_out": sorted(left_out), "fingerprints": fingerprints(self.runtime, left_out)}
+                "left_out": sorted(left_out), "fingerprints": fingerprints(runtime, left_out)}
 
-    def lightning_module_state_dict(self) -> dict[str, Any]:
+    def module_state(self, runtime: ShardRuntime, optimizers: list[Optimizer], state_dict_type: str,
+                     save_frozen: bool) -> dict[str, Any]:
         """Sharded: this rank's shards (views, for DCP). Full: the unsharded state dict on rank 0 ({} elsewhere)."""
-        assert self.runtime is not None
-        for optimizer in self.optimizers:  # the first thing a checkpoint asks: the groups agreed (and a fine-tuning
-            self.runtime.optimizers.agree_on_groups(optimizer)  # callback's record of them) before the rest is saved
-        if self.state_dict_type == "sharded":  # what the module's own state_dict() leaves out, left out too
-            return _without(sharded.model_state(self.runtime, skip=self._left_out()),
-                            sharded.left_out_by_module(self.runtime))
-        return full_state_dict(self.runtime, rank0_only=True, skip=self._left_out())
+        for optimizer in optimizers:  # the first thing a checkpoint asks: the groups agreed (and a fine-tuning
+            runtime.optimizers.agree_on_groups(optimizer)  # callback's record of them) before the rest is saved
+        if state_dict_type == "sharded":  # what the module's own state_dict() leaves out, left out too
+            return _without(sharded.model_state(runtime, skip=self.left_out(runtime, optimizers, save_frozen)),
+                            sharded.left_out_by_module(runtime))
+        return full_state_dict(runtime, rank0_only=True, skip=self.left_out(runtime, optimizers, save_frozen))
 
-    def check_module_state_dict(self) -> None:
+    @staticmethod
+    def check_module_state_dict(runtime: Optional[ShardRuntime], state_dict_type: str) -> None:
         """At a fit's setup: a ``state_dict`` override that sharded checkpoints cannot honour (it adds or renames keys)
         is refused then, not at the first save."""
-        if self.state_dict_type == "sharded" and self.runtime is not None:
-            sharded.left_out_by_module(self.runtime)
+        if state_dict_type == "sharded" and runtime is not None:
+            sharded.left_out_by_module(runtime)
 
-    def averaged_state_dict(self, average: AveragedShards) -> dict[str, Any]:
-        """:meth:`lightning_module_state_dict` of an average of the model's weights (``ShardedWeightAveraging``)."""
-        assert self.runtime is not None
-        if self.state_dict_type == "sharded":
-            return _without(sharded.model_state(self.runtime, skip=self._left_out(), average=average),
-                            sharded.left_out_by_module(self.runtime))
+    def averaged_state(self, runtime: ShardRuntime, optimizers: list[Optimizer], average: AveragedShards,
+                       state_dict_type: str, save_frozen: bool) -> dict[str, Any]:
+        """:meth:`module_state` of an average of the model's weights (``ShardedWeightAveraging``)."""
+        if state_dict_type == "sharded":
+            return _without(sharded.model_state(runtime, skip=self.left_out(runtime, optimizers, save_frozen),
+                                                average=average), sharded.left_out_by_module(runtime))
         with average.swapped():  # copied before the swap back: on the CPU the buffers in it are the model's own
-            state = full_state_dict(self.runtime, rank0_only=True, skip=self._left_out())
+            state = full_state_dict(runtime, rank0_only=True, skip=self.left_out(runtime, optimizers, save_frozen))
             return {k: v.clone() if isinstance(v, Tensor) else v for k, v in state.items()}
 
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        assert self.runtime is not None
+    @staticmethod
+    def optimizer_state(runtime: ShardRuntime, optimizer: Optimizer, state_dict_type: str) -> dict[str, Any]:
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
-        if self.state_dict_type == "sharded":
-            return sharded.optimizer_state(self.runtime, optimizer)
-        return full_optimizer_state_dict(self.runtime, optimizer, rank0_only=True)
+        if state_dict_type == "sharded":
+            return sharded.optimizer_state(runtime, optimizer)
+        return full_optimizer_state_dict(runtime, optimizer, rank0_only=True)
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        """Written beside the target and moved into place when complete: a save that fails or is killed
-        half-way leaves the previous checkpoint intact, and a partial one never carries its name."""
-        path = Path(self.broadcast(os.fspath(filepath)))
-        if self.runtime is not None:
-            checkpoint[RECORD] = self._record()
-        if self.state_dict_type == "sharded":
+    def save(self, checkpoint: dict[str, Any], path: Path, storage_options: Optional[Any], state_dict_type: str,
+             is_global_zero: bool, checkpoint_io: Any) -> None:
+        """Written beside the target and moved into place when complete (``path``: the same on every rank)."""
+        if state_dict_type == "sharded":
             if storage_options is not None:
                 raise TypeError("`storage_options` is not supported with state_dict_type='sharded'.")
             save_sharded(checkpoint, path, group=None)
@@ -109,56 +103,44 @@ class CheckpointState:
                                f" ModelCheckpoint's best_model_path) writes one file for"
                                f" `YourLightningModule.load_from_checkpoint(...)`; or"
                                f" `ShardStrategy(state_dict_type='full')`.")
-        elif self.is_global_zero:
-            save_full(checkpoint, path, self.checkpoint_io, storage_options)
+        elif is_global_zero:
+            save_full(checkpoint, path, checkpoint_io, storage_options)
 
-    def save_pretrained(self, folder: Union[str, Path], **options: Any) -> Path:
-        """The trained model as a Hugging Face folder that ``from_pretrained`` loads (a peft model: its adapter,
-        or ``merged=True``); options as ``lightning_shard.checkpoint.export.save_pretrained``'s (``dtype``,
-        ``max_shard_size``, ``merged``, ``prefix``, ``adapter``). Every rank must call it; rank 0 writes."""
-        assert self.lightning_module is not None, "save_pretrained before the model is set up"
-        return save_pretrained(self.lightning_module, self.broadcast(os.fspath(folder)), **options)
-
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Either format, saved on any number of ranks; checked first, read with ``weights_only=True``."""
-        path = Path(self.broadcast(os.fspath(checkpoint_path)))
-        return open_checkpoint(path)
-
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+    @staticmethod
+    def load_model_state(runtime: ShardRuntime, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         """What the checkpoint holds; the frozen parameters it left out (``save_frozen=False``) stay as loaded
         before (the base, from ``load_pretrained``), checked against their fingerprints."""
-        assert self.runtime is not None
         record = checkpoint.get(RECORD, {})
         left_out = set(record.get("left_out", ()))
         source = sharded_source(checkpoint["state_dict"])  # (renamed or pruned by on_load_checkpoint, maybe)
         if source is not None:
-            load_model_source(self.runtime, source, strict=strict, absent=left_out)
+            load_model_source(runtime, source, strict=strict, absent=left_out)
         else:
-            load_full_state_dict(self.runtime, checkpoint["state_dict"], strict=strict, absent=left_out)
+            load_full_state_dict(runtime, checkpoint["state_dict"], strict=strict, absent=left_out)
         if record.get("fingerprints"):
             where = source.directory if source is not None else "the checkpoint file"
-            check_fingerprints(self.runtime, record["fingerprints"], str(where))
+            check_fingerprints(runtime, record["fingerprints"], str(where))
 
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+    @staticmethod
+    def load_optimizer_states(runtime: ShardRuntime, optimizers: list[Optimizer], checkpoint: Mapping[str, Any],
+                              trainer: Any) -> None:
         """Resuming a fit: the parameters trainable when it was saved, the fine-tuning callbacks' param groups,
         then the optimizer states."""
-        assert self.runtime is not None
-        _restore_trainable(self.runtime, checkpoint.get(RECORD, {}).get("trainable"))
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        _restore_trainable(runtime, checkpoint.get(RECORD, {}).get("trainable"))
         if trainer is not None:
             readd_finetuning_groups(trainer)
         source, states = sharded_source(checkpoint["state_dict"]), checkpoint["optimizer_states"]
-        if len(states) != len(self.optimizers):  # zip() would leave some optimizer as it was built
+        if len(states) != len(optimizers):  # zip() would leave some optimizer as it was built
             raise CheckpointError(
                 f"The checkpoint holds {len(states)} optimizer state(s) and `configure_optimizers` returns"
-                f" {len(self.optimizers)} optimizer(s): resume with the optimizers it was saved with, or load its"
+                f" {len(optimizers)} optimizer(s): resume with the optimizers it was saved with, or load its"
                 " weights only (`load_pretrained`, or the LightningModule's `load_state_dict`) and start the"
                 " optimizers afresh.")
-        for i, (optimizer, state) in enumerate(zip(self.optimizers, states)):
+        for i, (optimizer, state) in enumerate(zip(optimizers, states)):
             if source is not None:
-                sharded.load_optimizer_state(self.runtime, optimizer, i, state, source.directory, source.metadata)
+                sharded.load_optimizer_state(runtime, optimizer, i, state, source.directory, source.metadata)
             else:
-                load_full_optimizer_state_dict(self.runtime, optimizer, state)
+                load_full_optimizer_state_dict(runtime, optimizer, state)
 
 
 def _without(state: dict[str, Any], names: set[str]) -> dict[str, Any]:

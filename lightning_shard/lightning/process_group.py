@@ -7,7 +7,7 @@ from __future__ import annotations
 import atexit
 import weakref
 from datetime import timedelta
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 from lightning.fabric.utilities.distributed import (
@@ -16,98 +16,93 @@ from lightning.fabric.utilities.distributed import (
     _init_dist_connection,
     _sync_ddp_if_available,
 )
+from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.utilities.distributed import group as _group
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerStatus
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 
+from lightning_shard.engine.runtime.hooks import ShardRuntime
 
-class ProcessGroupMixin:
-    """Mixed into ShardStrategy (a ParallelStrategy with ``_timeout`` and ``_process_group_backend``)."""
 
-    _timeout: Optional[timedelta]
-    _process_group_backend: Optional[str]
+class ProcessGroup:
+    """The processes and the default process group of a ShardStrategy (a part of it): how the other ranks are launched,
+    the group created (with the strategy's ``timeout`` and backend), the collectives Lightning asks a strategy for, and
+    a stage ended without a collective left behind."""
 
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+    def __init__(self, timeout: Optional[timedelta], backend: Optional[str]) -> None:
+        self.timeout = timeout  # bound on every collective
+        self.backend = backend  # None: the device's default, chosen as the group is created
 
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        reset_seed()
-        self.set_world_ranks()
-        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
-            self.root_device
-        )
-        assert self.cluster_environment is not None
-        kwargs: dict[str, Any] = {"timeout": self._timeout}
-        if self.root_device.type != "cpu":
-            kwargs["device_id"] = self.root_device
+    @staticmethod
+    def launcher(cluster_environment: ClusterEnvironment, num_processes: int,
+                 num_nodes: int) -> Optional[_SubprocessScriptLauncher]:
+        """The launcher of the other ranks, where the environment does not create the processes itself."""
+        if cluster_environment.creates_processes_externally:
+            return None
+        return _SubprocessScriptLauncher(cluster_environment, num_processes, num_nodes)
+
+    def connect(self, cluster_environment: ClusterEnvironment, root_device: torch.device) -> None:
+        """Create the default process group (destroyed at interpreter exit unless a run failed: GROUP_AT_EXIT), or join
+        the one that exists."""
+        self.backend = self.backend or _get_default_process_group_backend_for_device(root_device)
+        kwargs: dict[str, Any] = {"timeout": self.timeout}
+        if root_device.type != "cpu":
+            kwargs["device_id"] = root_device
         creates_group = not _distributed_is_initialized()
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        _init_dist_connection(cluster_environment, self.backend, **kwargs)
         if creates_group:
             GROUP_AT_EXIT.adopt(torch.distributed.group.WORLD)
 
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
-
     # -- collectives for Lightning (logging, metrics, decisions) ------------------------------------
-    def barrier(self, name: Optional[str] = None) -> None:
+    @staticmethod
+    def barrier(root_device: Callable[[], torch.device]) -> None:
+        """``root_device``: asked only under NCCL (a strategy without its devices yet may call it)."""
         if not _distributed_is_initialized():
             return
         if torch.distributed.get_backend() == "nccl":
-            torch.distributed.barrier(device_ids=[self.root_device.index])
+            torch.distributed.barrier(device_ids=[root_device().index])
         else:
             torch.distributed.barrier()
 
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+    @staticmethod
+    def broadcast(obj: TBroadcast, src: int = 0) -> TBroadcast:
         if not _distributed_is_initialized():
             return obj
         holder = [obj]
         torch.distributed.broadcast_object_list(holder, src, group=_group.WORLD)
         return holder[0]
 
-    def reduce(
-        self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
-    ) -> Union[Tensor, Any]:
+    @staticmethod
+    def reduce(tensor: Union[Tensor, Any], group: Optional[Any] = None,
+               reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Union[Tensor, Any]:
         if isinstance(tensor, Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
-    def teardown(self) -> None:
-        # Unlike the base class, do not move the module to CPU: that would break its shard views.
-        assert self.cluster_environment is not None and self.accelerator is not None
-        if self._ended_cleanly():
-            self._complete_inflight_gathers()
-            self.barrier()  # no rank goes on to exit, closing its sockets, while another still communicates
+    # -- a stage's end ---------------------------------------------------------------------------------
+    @staticmethod
+    def end_stage(runtime: Optional[ShardRuntime], lightning_module: Any, barrier: Callable[[], None]) -> None:
+        """A stage (fit, validate, ...) ends: no collective left behind where it ended cleanly; else none waited for."""
+        trainer = getattr(lightning_module, "_trainer", None)
+        if trainer is None or trainer.state.status != TrainerStatus.INTERRUPTED:
+            _complete_inflight_gathers(runtime)
+            barrier()  # no rank goes on to exit, closing its sockets, while another still communicates
         else:  # a peer may be dead or stuck in a collective: waiting on it, or destroying the group, could hang
             GROUP_AT_EXIT.failed = True
-        self.cluster_environment.teardown()
-        self.precision_plugin.teardown()
-        self.accelerator.teardown()
 
-    def _ended_cleanly(self) -> bool:
-        trainer = getattr(self.lightning_module, "_trainer", None)
-        return trainer is None or trainer.state.status != TrainerStatus.INTERRUPTED
 
-    def _complete_inflight_gathers(self) -> None:
-        """Wait for prefetched all-gathers a stage left in flight (a step cut short): no collective may
-        outlive the stage, since work still pending at exit is freed by a backend thread in interpreter shutdown."""
-        if self.runtime is None:
-            return
-        self.runtime.wait_host_steps()  # offload's steps still to come after the last optimizer step (and their errors)
-        for unit in self.runtime.units:
-            if unit.inflight is not None:
-                self.runtime.schedule.reshard(unit)  # waits for it, then frees its buffer
+def _complete_inflight_gathers(runtime: Optional[ShardRuntime]) -> None:
+    """Wait for prefetched all-gathers a stage left in flight (a step cut short): no collective may outlive the stage,
+    since work still pending at exit is freed by a backend thread in interpreter shutdown."""
+    if runtime is None:
+        return
+    runtime.wait_host_steps()  # offload's steps still to come after the last optimizer step (and their errors)
+    for unit in runtime.units:
+        if unit.inflight is not None:
+            runtime.schedule.reshard(unit)  # waits for it, then frees its buffer
 
 
 class GroupAtExit:

@@ -3,76 +3,58 @@ optimizer and precision hooks, checkpoint state)."""
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterable, Sequence
+import os
+from collections.abc import Generator, Iterable, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from functools import partial
+from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.core.optimizer import LightningOptimizer, _MockOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_debug, rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_shard.checkpoint.from_pretrained import built
-from lightning_shard.checkpoint.io import validate_state_dict_type
-from lightning_shard.checkpoint.peft_meta import (
-    forget_placeholders,
-    init_dora_magnitudes,
-    init_peft_adapters,
-    prepare_dora_on_meta,
-)
-from lightning_shard.checkpoint.pretrained import load_pretrained
+from lightning_shard.checkpoint.export import save_pretrained
+from lightning_shard.checkpoint.export_checkpoint import RECORD
+from lightning_shard.checkpoint.io import open_checkpoint, validate_state_dict_type
 from lightning_shard.engine.comm.groups import validate_shard_size, validate_sharding
 from lightning_shard.engine.optim.optimizer_step import DEFAULT_STEP_GROUP_NUMEL
 from lightning_shard.engine.optim.optimizers import WHOLE, optimizer_kind
 from lightning_shard.engine.plan.plan import UnitSpec, validate_min_unit_size, validate_unit_size, validate_units
 from lightning_shard.engine.runtime.activation_checkpointing import CheckpointSpec, validate_activation_checkpointing
 from lightning_shard.engine.runtime.compile import refuse_with_elision, validate_compile
+from lightning_shard.engine.runtime.averaging import AveragedShards
 from lightning_shard.engine.runtime.hooks import ShardRuntime
-from lightning_shard.engine.shard_module import shard_module
 from lightning_shard.engine.storage.offload import validate_offload
-from lightning_shard.lightning.after_step import after_step, frees_grads_after_step
+from lightning_shard.lightning.after_step import after_step
+from lightning_shard.lightning.at_setup import prepare_fit, shard_model
 from lightning_shard.lightning.checkpointing import CheckpointState
 from lightning_shard.lightning.evaluation import EvaluationHold
 from lightning_shard.lightning.finetuning import record_merged_groups
-from lightning_shard.lightning.guards import (
-    refuse_layer_sync_on_sharded,
-    refuse_other_strategies,
-    refuse_pruning,
-    refuse_weight_averaging,
-)
-from lightning_shard.lightning.memory_report import report_memory_estimate
-from lightning_shard.lightning.offload_overlap import arm_for_step, overlap_clip, restage_each_step
-from lightning_shard.lightning.options import (
-    check_count,
-    check_declared_optimizers,
-    check_flag,
-    check_nonfinite,
-    check_timeout,
-    check_units_or_size,
-)
-from lightning_shard.lightning.plan_summary import plan_listing, plan_summary
-from lightning_shard.lightning.precision import (
-    MixedPrecision,
-    ShardPrecision,
-    shard_precision_of,
-    validate_mixed_precision,
-)
-from lightning_shard.lightning.process_group import ProcessGroupMixin
-from lightning_shard.lightning.summary import summarize_in_full_shapes
+from lightning_shard.lightning.guards import refuse_other_strategies
+from lightning_shard.lightning.offload_overlap import arm_for_step
+from lightning_shard.lightning.options import (check_count, check_declared_optimizers, check_flag, check_nonfinite,
+                                               check_timeout, check_units_or_size)
+from lightning_shard.lightning.precision import (MixedPrecision, ShardPrecision, shard_precision_of,
+                                                 validate_mixed_precision)
+from lightning_shard.lightning.process_group import ProcessGroup
 from lightning_shard.memory.estimate import MemoryEstimate
 
 
-class ShardStrategy(ProcessGroupMixin, EvaluationHold, CheckpointState, ParallelStrategy):
+class ShardStrategy(ParallelStrategy):
     """Fully sharded data parallel training, implemented on ``torch.distributed`` collectives. Every option, with
     what it costs and what it changes, is in docs/options.md; in short:
 
@@ -110,6 +92,9 @@ class ShardStrategy(ProcessGroupMixin, EvaluationHold, CheckpointState, Parallel
 
     ``configure_model()`` and ``trainer.init_module(empty_init=True)`` build the model on the meta device;
     setup materialises it unit by unit (each module's ``reset_parameters()``), keeping only this rank's shards.
+
+    Its parts: ``processes`` (process_group.py), ``evaluation`` (evaluation.py), ``checkpoints`` (checkpointing.py),
+    and, once the model is sharded, ``runtime`` (the engine's); Lightning's hooks here hand each what it needs.
     """
 
     strategy_name = "lightning_shard"
@@ -181,8 +166,10 @@ class ShardStrategy(ProcessGroupMixin, EvaluationHold, CheckpointState, Parallel
         self.keep_gathered_in_eval = check_flag("keep_gathered_in_eval", keep_gathered_in_eval)
         self.compile = validate_compile(compile)
         refuse_with_elision(self.compile, self.elide_backward_gathers)
-        self._timeout = check_timeout(timeout)
-        self._process_group_backend = process_group_backend
+        self.processes = ProcessGroup(check_timeout(timeout), process_group_backend)
+        self.evaluation = EvaluationHold()
+        self.checkpoints = CheckpointState()
+        self.told_shard_norms = False  # the warning about Lightning's grad_norm of the shards was given (after_step.py)
         self.num_nodes = 1
         self.runtime: Optional[ShardRuntime] = None
         self.memory_estimate: Optional[MemoryEstimate] = None  # per rank, set at setup for fitting
@@ -228,40 +215,7 @@ class ShardStrategy(ProcessGroupMixin, EvaluationHold, CheckpointState, Parallel
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         if self.runtime is None or self.runtime.root is not self.model:
-            # a model sharded by an earlier Trainer goes on with its runtime if the options are the same (shard_module
-            # checks them); on it, convert_module and model_to_device may only be no-ops (its `_apply` refuses more)
-            sharded_before = getattr(self.model, "_shard_runtime", None) is not None
-            if self._layer_sync:  # also for validate/test before fit: the model is sharded once, converted or not
-                if sharded_before:
-                    refuse_layer_sync_on_sharded(self.model)
-                else:
-                    self.model = self._layer_sync.apply(self.model)
-            self.model = self.precision_plugin.convert_module(self.model)
-            self.model_to_device()
-            policy = self.mixed_precision or self.precision_plugin.policy
-            from_meta = any(p.is_meta for p in self.model.parameters())
-            placeholders = prepare_dora_on_meta(self.model) if from_meta else []
-            self.runtime = shard_module(
-                self.model, sharding=self.sharding, units=self.units, unit_size=self.unit_size,
-                min_unit_size=self.min_unit_size, prefetch=self.prefetch,
-                param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype, buffer_dtype=policy.buffer_dtype,
-                cast_params=policy.cast_params,
-                nonfinite=self.nonfinite, device=self.root_device,
-                activation_checkpointing=self.activation_checkpointing,
-                elide_backward_gathers=self.elide_backward_gathers, broadcast_buffers=self.broadcast_buffers,
-                compile=False if self.compile is None else self.compile, offload=self.offload,
-                shard_size=(self.shard_size or self.num_processes) if self.sharding == "hybrid" else None,
-            )
-            forget_placeholders(placeholders)
-            if from_meta and init_peft_adapters(self.runtime):  # not the generic init materialising gave them
-                rank_zero_debug("lightning_shard: the peft adapters built on the meta device initialised as peft"
-                                " initialises them (init_lora_weights), not by their layers' generic init.")
-            if built(self.model):  # models from lightning_shard.from_pretrained: their folders, now that they are sharded
-                load_pretrained(self.model)  # (DoRA's magnitudes from the base loaded: peft_meta.py)
-            elif placeholders:  # DoRA's magnitudes from the base as materialised (load_pretrained computes them again)
-                init_dora_magnitudes(self.runtime, self.model)
-            rank_zero_info(plan_summary(self.runtime, self.sharding, self.world_size))
-            rank_zero_debug("lightning_shard units:\n" + plan_listing(self.runtime))
+            shard_model(self, self._layer_sync)  # (sets self.runtime)
         self.runtime.apply_checks = [partial(refuse_other_strategies, self.model, ShardStrategy)]
         if self.keep_gathered_in_eval:
             rank_zero_info(f"lightning_shard: keep_gathered_in_eval holds every unit gathered during validation, test"
@@ -272,17 +226,7 @@ class ShardStrategy(ProcessGroupMixin, EvaluationHold, CheckpointState, Parallel
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
-            if self.offload is None:  # offloaded, the state lives beside the host shards (Adagrad builds it at setup)
-                _optimizers_to_device(self.optimizers, self.root_device)
-            refuse_weight_averaging(trainer.callbacks)
-            refuse_pruning(trainer.callbacks)
-            self.check_module_state_dict()
-            summarize_in_full_shapes(trainer.callbacks)
-            self.frees_grads_after_step = frees_grads_after_step(trainer, self.free_grads_after_step)
-            self.offload_overlap_clip = overlap_clip(trainer, self.precision_plugin.precision,
-                                                     self.offload_overlap and self.offload is not None)
-            self.runtime.restage_each_step = self.offload_overlap_clip is None or restage_each_step(trainer)
-            self.memory_estimate = report_memory_estimate(self, trainer)
+            prepare_fit(self, trainer)
 
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:
         """``configure_optimizers`` sees the parameters in their real shapes (placeholders: ``p.ndim`` rules for
@@ -385,6 +329,127 @@ class ShardStrategy(ProcessGroupMixin, EvaluationHold, CheckpointState, Parallel
         if names:
             result[f"grad_{norm_type}_norm_total"] = total
         return result
+
+    # -- processes and the process group (process_group.py) -------------------------------------------
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        launcher = self.processes.launcher(self.cluster_environment, self.num_processes, self.num_nodes)
+        if launcher is not None:
+            self._launcher = launcher
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        assert self.cluster_environment is not None
+        self.processes.connect(self.cluster_environment, self.root_device)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    def barrier(self, name: Optional[str] = None) -> None:
+        self.processes.barrier(lambda: self.root_device)
+
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        return self.processes.broadcast(obj, src)
+
+    def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None,
+               reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Union[Tensor, Any]:
+        return self.processes.reduce(tensor, group, reduce_op)
+
+    def teardown(self) -> None:
+        # Unlike the base class, do not move the module to CPU: that would break its shard views.
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.processes.end_stage(self.runtime, self.lightning_module, self.barrier)
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+    # -- evaluation loops with every unit held gathered (evaluation.py) ------------------------------
+    @contextmanager
+    def keep_gathered(self, modifier_rank: Optional[int] = None) -> Generator[None, None, None]:
+        """Every unit held gathered inside (every rank must enter): forwards without gradients run no collective,
+        so evaluation or generation needs one all-gather per unit in all, and ranks may generate different numbers
+        of tokens. Costs ``strategy.runtime.held_bytes()`` per rank while it lasts. Writes to the parameters inside
+        are written back from ``modifier_rank`` on exit, and refused without it (engine/runtime/held.py)."""
+        assert self.runtime is not None, "keep_gathered before the model is sharded"
+        with self.runtime.keep_gathered(modifier_rank):
+            yield
+
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        self.evaluation.hold(self.runtime, self.keep_gathered_in_eval)
+
+    def on_validation_end(self) -> None:
+        self.evaluation.release()
+        super().on_validation_end()
+
+    def on_test_start(self) -> None:
+        super().on_test_start()
+        self.evaluation.hold(self.runtime, self.keep_gathered_in_eval)
+
+    def on_test_end(self) -> None:
+        self.evaluation.release()
+        super().on_test_end()
+
+    def on_predict_start(self) -> None:
+        super().on_predict_start()
+        self.evaluation.hold(self.runtime, self.keep_gathered_in_eval)
+
+    def on_predict_end(self) -> None:
+        self.evaluation.release()
+        super().on_predict_end()
+
+    def on_exception(self, exception: BaseException) -> None:
+        self.evaluation.release(exception)
+        super().on_exception(exception)
+
+    # -- checkpoints (checkpointing.py) -------------------------------------------------------------
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.runtime is not None
+        return self.checkpoints.module_state(self.runtime, self.optimizers, self.state_dict_type, self.save_frozen)
+
+    def averaged_state_dict(self, average: AveragedShards) -> dict[str, Any]:  # (ShardedWeightAveraging's)
+        assert self.runtime is not None
+        return self.checkpoints.averaged_state(self.runtime, self.optimizers, average, self.state_dict_type,
+                                               self.save_frozen)
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        assert self.runtime is not None
+        return self.checkpoints.optimizer_state(self.runtime, optimizer, self.state_dict_type)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Written beside the target and moved into place when complete: a save that fails or is killed
+        half-way leaves the previous checkpoint intact, and a partial one never carries its name."""
+        path = Path(self.broadcast(os.fspath(filepath)))
+        if self.runtime is not None:
+            checkpoint[RECORD] = self.checkpoints.record(self.runtime, self.optimizers, self.save_frozen)
+        self.checkpoints.save(checkpoint, path, storage_options, self.state_dict_type, self.is_global_zero,
+                              self.checkpoint_io)
+
+    def save_pretrained(self, folder: Union[str, Path], **options: Any) -> Path:
+        """The trained model as a Hugging Face folder that ``from_pretrained`` loads (a peft model: its adapter,
+        or ``merged=True``); options as ``lightning_shard.checkpoint.export.save_pretrained``'s (``dtype``,
+        ``max_shard_size``, ``merged``, ``prefix``, ``adapter``). Every rank must call it; rank 0 writes."""
+        assert self.lightning_module is not None, "save_pretrained before the model is set up"
+        return save_pretrained(self.lightning_module, self.broadcast(os.fspath(folder)), **options)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Either format, saved on any number of ranks; checked first, read with ``weights_only=True``."""
+        path = Path(self.broadcast(os.fspath(checkpoint_path)))
+        return open_checkpoint(path)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        assert self.runtime is not None
+        self.checkpoints.load_model_state(self.runtime, checkpoint, strict)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        assert self.runtime is not None
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        self.checkpoints.load_optimizer_states(self.runtime, self.optimizers, checkpoint, trainer)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
