@@ -120,3 +120,23 @@ def test_no_module_imports_itself_round_a_circle():
     for name in sorted(modules):
         visit(name, [])
     assert not circles, "\n".join(circles)
+
+
+def test_no_class_has_more_than_one_of_our_base_classes():
+    """A class is split into parts it holds, not into mixins each holding part of its state (a torch or Lightning base
+    beside one of ours is fine): a reader of one class reads one file for what ``self`` holds."""
+    ours = {node.name for path in PACKAGE.rglob("*.py") for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ClassDef)}
+    crossed = []
+    for path in PACKAGE.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        foreign = {alias.asname or alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                   and node.module and node.module.split(".")[0] != "lightning_shard" for alias in node.names}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                bases = [b.id if isinstance(b, ast.Name) else b.attr for b in node.bases
+                         if isinstance(b, (ast.Name, ast.Attribute))]
+                project = [b for b in bases if b in ours and b not in foreign]
+                if len(project) > 1:
+                    crossed.append(f"{path.relative_to(PACKAGE)}: {node.name}({', '.join(project)})")
+    assert not crossed, "\n".join(crossed)
