@@ -30,12 +30,10 @@ from lightning_shard.engine.storage.unit import Unit
 
 class OptimizerAttachment:
     def __init__(self, units: list[Unit], groups: ShardGroups, stats: CommStats, root: nn.Module,
-                 host_stepper: Any = None, nonfinite: Optional[str] = None,
-                 before_step: Optional[Callable[[], None]] = None) -> None:
+                 host_stepper: Any = None, before_step: Optional[Callable[[], None]] = None) -> None:
         self.units = units
         self.root = root
         self.host_stepper = host_stepper  # offload's overlapped step, given to each optimizer's step
-        self.nonfinite = nonfinite  # what a non-finite gradient does: decided by the overlapped step, where armed
         self.groups = groups
         self.group = groups.shard  # owners' exchanges; the world agrees on the param groups
         self.world = groups.shard_size
@@ -144,16 +142,17 @@ class OptimizerAttachment:
             else:
                 optimizer.step = had  # type: ignore[method-assign]
 
-    def arm_host_step(self, optimizer: Optimizer, max_norm: Optional[float] = None, norm_type: float = 2.0,
-                      finish_in_forward: bool = False) -> bool:
+    def arm_host_step(self, optimizer: Optimizer, max_norm: Optional[float], norm_type: float, finish_in_forward: bool,
+                      checks_nonfinite: bool) -> bool:
         """Offload: step each unit of ``optimizer`` on the CPU as its gradient lands in the next backward (host_step.py;
-        the runtime's ``arm_host_step`` says when); whether it is armed."""
+        the runtime's ``arm_host_step`` says when); whether it is armed. ``checks_nonfinite``: a non-finite gradient
+        skips or stops the step (``nonfinite``), decided with clipping at the end of backward."""
         step = self.step_of(optimizer)
         stepper = self.host_stepper
         if step is None or stepper is None:
             return False
         clip = None if max_norm is None else (float(max_norm), check_norm_type(norm_type))
-        return stepper.arm(step, clip, decides=clip is not None or self.nonfinite is not None,
+        return stepper.arm(step, clip, decides=clip is not None or checks_nonfinite,
                            finish_in_forward=finish_in_forward)
 
     def step(self, optimizer: Optimizer, closure: Optional[Callable[[], Any]] = None) -> Any:

@@ -83,7 +83,6 @@ class ShardRuntime:
         self.group = groups.world  # agreements, buffers; gathers and reductions use groups.shard / groups.replicate
         self.world_size = groups.world_size
         self.shard_group_ranks = groups.shard_ranks
-        self.nonfinite = nonfinite  # None, "skip" or "error": what a non-finite gradient does
         self.stats = CommStats()
         device = units[0].storage.device if units else torch.device("cpu")
         self.streams = streams_for(device, check=os.environ.get(CHECK_STREAMS) == "1")
@@ -103,7 +102,7 @@ class ShardRuntime:
         self.nonfinite_policy = NonfinitePolicy(nonfinite, units, self.reducer, self.state)
         self.buffers = ModuleBuffers(root, self.group, self.stats, self.world_size, broadcast_buffers)
         self.hooks = UnitHooks(self.state, units, root_unit, self.schedule, self.elision, self.reducer, self.stats,
-                               self.autocast_casts, self.host_stepper, nonfinite, self.norms.total_grad_norm,
+                               self.autocast_casts, self.host_stepper, self.nonfinite_policy, self.norms.total_grad_norm,
                                self._handles)
         self.scope = StepScope(self.state, units, root_unit, groups, self.schedule, self.reducer, self.elision,
                                self.buffers, self.figures, self.hooks)
@@ -111,7 +110,7 @@ class ShardRuntime:
                               self.world_size)
         reducer = self.reducer
         self.optimizers = OptimizerAttachment(
-            units, groups, self.stats, root, self.host_stepper, nonfinite,
+            units, groups, self.stats, root, self.host_stepper,
             before_step=lambda: refuse_unseen_gradients(units, reducer, "an optimizer step"))
         self.guards = ModuleGuards(root, units, self.undo)
         for unit in units:  # one rank, computing in the shard itself: nothing to free or reduce before backward ends
@@ -182,6 +181,15 @@ class ShardRuntime:
         return self.schedule.order
 
     @property
+    def nonfinite(self) -> Optional[str]:
+        """None, "skip" or "error": what a non-finite gradient does (nonfinite.py)."""
+        return self.nonfinite_policy.mode
+
+    @nonfinite.setter
+    def nonfinite(self, mode: Optional[str]) -> None:
+        self.nonfinite_policy.mode = mode
+
+    @property
     def steps_done(self) -> int:
         """Optimizer steps taken."""
         return self.state.steps_done
@@ -227,7 +235,8 @@ class ShardRuntime:
         through ``state_dict()`` or the checkpoint functions, needs :meth:`wait_host_steps` first). Every rank must
         call it alike. Returns whether it is armed (not where nothing is offloaded, or the optimizer steps whole
         parameters)."""
-        return self.optimizers.arm_host_step(optimizer, max_norm, norm_type, finish_in_forward)
+        return self.optimizers.arm_host_step(optimizer, max_norm, norm_type, finish_in_forward,
+                                             checks_nonfinite=self.nonfinite is not None)
 
     def step(self, optimizer: torch.optim.Optimizer, closure: Optional[Callable[[], Any]] = None) -> Any:
         """``optimizer.step(closure)`` for the sharded model (the optimizer must be attached), then

@@ -29,6 +29,7 @@ from lightning_shard.engine.runtime.autocast_casts import AutocastCasts
 from lightning_shard.engine.runtime.backward_watch import watch_inputs, watch_outputs
 from lightning_shard.engine.runtime.elision import BackwardElision
 from lightning_shard.engine.runtime.gather import GatherSchedule
+from lightning_shard.engine.runtime.nonfinite import NonfinitePolicy
 from lightning_shard.engine.runtime.reduce import GradientReducer
 from lightning_shard.engine.runtime.returned import keep_returned
 from lightning_shard.engine.runtime.step_state import StepState
@@ -38,7 +39,7 @@ from lightning_shard.engine.storage.unit import Unit
 class UnitHooks:
     def __init__(self, state: StepState, units: list[Unit], root_unit: Optional[Unit], schedule: GatherSchedule,
                  elision: BackwardElision, reducer: GradientReducer, stats: CommStats, autocast_casts: AutocastCasts,
-                 host_stepper: Any, nonfinite: Optional[str], total_grad_norm: Callable[..., Tensor],
+                 host_stepper: Any, nonfinite_policy: NonfinitePolicy, total_grad_norm: Callable[..., Tensor],
                  handles: list[Any]) -> None:
         self.state = state
         self.units = units
@@ -49,7 +50,7 @@ class UnitHooks:
         self.stats = stats
         self.autocast_casts = autocast_casts  # casts cached before a forward with grad (autocast_casts.py)
         self.host_stepper = host_stepper  # offload's overlapped step (host_step.py), or None
-        self.nonfinite = nonfinite  # decided by that step at the end of backward, where it is armed
+        self.nonfinite_policy = nonfinite_policy  # decided by that step at the end of backward, where it is armed
         self.total_grad_norm = total_grad_norm  # (norms.py) the same
         self.handles = handles  # the runtime's: removed with its hooks
         self._watched: set[int] = set()  # ids of gathered parameters with a post-accumulate-grad hook
@@ -191,7 +192,7 @@ class UnitHooks:
             self.reducer.finish()
             if self.host_stepper is not None:  # offload's overlapped step, where armed: what needs every unit
                 self.host_stepper.landed()
-                self.host_stepper.decide(self.nonfinite is not None and self.reducer.first_nonfinite,
+                self.host_stepper.decide(self.nonfinite_policy.mode is not None and self.reducer.first_nonfinite,
                                          self.total_grad_norm)
         except BaseException:
             if self.host_stepper is not None:
