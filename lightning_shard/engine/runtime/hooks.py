@@ -199,6 +199,19 @@ class ShardRuntime:
         """Optimizer steps skipped for a non-finite gradient (``nonfinite="skip"``)."""
         return self.nonfinite_policy.skipped_steps
 
+    @skipped_steps.setter
+    def skipped_steps(self, count: int) -> None:
+        self.nonfinite_policy.skipped_steps = count
+
+    @property
+    def broadcast_buffers(self) -> bool:
+        """DDP's ``broadcast_buffers`` (buffers.py)."""
+        return self.buffers.broadcast
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        self.buffers.broadcast = value
+
     @property
     def last_step_stats(self) -> dict[str, float]:
         """The last step's communication figures (step_figures.py)."""
