@@ -15,19 +15,8 @@ from torch import nn
 from lightning_shard.checkpoint.full import full_state_dict
 from lightning_shard.engine.shard_module import shard_module
 from tests.fsdp2_port_common import MLP
+from tests.gradient_write_scenarios import Adapted  # a bf16 base and an fp32 adapter in one unit
 from tests.mixed_paths_scenarios import lora_llama
-
-
-class Adapted(nn.Module):
-    """A bf16 base and an fp32 adapter in one unit: a unit of several dtypes."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.base = nn.Linear(8, 8).to(torch.bfloat16).requires_grad_(False)
-        self.adapter = nn.Linear(8, 8, bias=False)
-
-    def forward(self, x):
-        return self.base(x.to(torch.bfloat16)).float() + self.adapter(x)
 
 
 def _model(kind: str) -> tuple[nn.Module, list[str]]:
