@@ -83,15 +83,17 @@ class StepScope:
             if not self.reducer.left_unreduced:
                 refuse_unseen_gradients(self.units, self.reducer, "a step's start")
             # a previous step that ran no backward may have left units gathered: their data may be stale
+            keep_storage, restage, awaits = state.graph_kept, self.restage_each_step, state.awaits_backward
             for unit in self.units:
-                self.schedule.reshard(unit, keep_storage=state.graph_kept)
-                if self.restage_each_step:
+                self.schedule.reshard(unit, keep_storage=keep_storage)
+                if restage:
                     unit.storage.shards_changed()  # offload: copied from the master again, whatever wrote it since
-                if not state.awaits_backward:  # (a root call of model(model(x)), of model(a) + model(b))
+                if not awaits:  # (a root call of model(model(x)), of model(a) + model(b))
                     unit.forget_calls()
                     unit.read_outside = unit.returned_parameters = False
+            follow_requires_grad = self.hooks.follow_requires_grad
             for unit in self.units:
-                self.hooks.follow_requires_grad(unit)
+                follow_requires_grad(unit)
             if step and self.world_size > 1 and torch.is_grad_enabled():
                 self.reducer.compare_trainable()
             if step:

@@ -82,13 +82,14 @@ class UnitHooks:
         self.follow_requires_grad(unit)
         self.autocast_casts.before_forward()
         state = self.state
-        if not state.held:
-            self.schedule.gather(unit, exposed=not state.backward_running)
-            if not state.backward_running:  # not a recomputation inside backward
+        held, backward_running = state.held, state.backward_running
+        if not held:
+            self.schedule.gather(unit, exposed=not backward_running)
+            if not backward_running:  # not a recomputation inside backward
                 self.schedule.forward_reached(unit)
         cast = needs_cast(unit)
-        watch = (unit.watches_backward_end and not state.held and torch.is_grad_enabled()
-                 and not self.recomputing_for_saved_tensors(unit))
+        watch = (unit.watches_backward_end and not held and torch.is_grad_enabled()
+                 and not (backward_running and unit.backward_pending > 0))  # (recomputing_for_saved_tensors, inline)
         arguments = None  # the arguments as they are
         if cast or watch:
             flat, rebuild = flatten_arguments(args, kwargs)
@@ -135,7 +136,7 @@ class UnitHooks:
         if (module is unit.members[-1] and not keep_for_backward and not recomputing and not unit.read_outside
                 and (unit.reshard_after_forward or not grad_enabled)):
             self.schedule.reshard(unit, keep_storage=state.graph_kept)
-        if grad_enabled and not self.recomputing_for_saved_tensors(unit):
+        if grad_enabled and not (recomputing and unit.backward_pending > 0):  # (recomputing_for_saved_tensors)
             if not watch_outputs(output, lambda _: self.pre_backward(unit), unit.call_began) \
                     and not unit.parameters_watched and unit.storage.trainable:
                 self.watch_parameters(unit)
