@@ -65,7 +65,7 @@ class ShardedStep:
         self._membership: list = []  # the groups' fingerprint of membership, for their current parameters
         self.groups_merged = 0  # how many times the ranks' param groups differed and were merged
         self.on_merge: Optional[Callable[[], None]] = None  # told after each merge (the strategy's records)
-        self.before_step: Optional[Callable[[], None]] = None  # after the closure: the gradients are complete (hooks.py)
+        self.before_step: Optional[Callable[[], None]] = None  # after the closure: the gradients whole (the runtime's)
         self._owners: dict[int, int] = {}  # id(shard parameter) -> the owner any plan gave it: its state is there
         # torch's fused kernel where the groups chose no implementation (on a GPU; offload: on the CPU)
         self.fused: Optional[FusedWhereUnchosen] = None

@@ -6,8 +6,8 @@ Note: the compiled function is the module's ``forward``, not its ``__call__``: t
 compile, and ``fullgraph=True`` holds inside a block. The gathered parameters are the same tensors at every
 step (their storage is freed and re-gathered in place, flat_shard.py), so a compiled forward is traced once
 per grad mode and dtype, not once per step. Where a user compiles more than a block (``torch.compile(model)``,
-``block.compile()``), the hooks are reached from inside a compiled frame: they are dynamo-disabled (hooks.py),
-so dynamo breaks the graph there and runs them eagerly instead of tracing collectives.
+``block.compile()``), the hooks are reached from inside a compiled frame: they are dynamo-disabled (as hooks.py
+installs them), so dynamo breaks the graph there and runs them eagerly instead of tracing collectives.
 """
 
 from __future__ import annotations

@@ -245,7 +245,8 @@ class FlatShard(ShardGrads):
         if self.aliases_shard:  # the gathered buffer is the shard
             return
         host = self.host
-        if host is not None and host.unwritten(self.gathered_data[self.shard_start : self.shard_start + self.shard_numel]):
+        if host is not None and host.unwritten(  # offloaded: nothing written since it was copied in
+                self.gathered_data[self.shard_start : self.shard_start + self.shard_numel]):
             return
         self._write_back_part()
         if host is not None:

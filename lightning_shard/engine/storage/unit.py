@@ -33,7 +33,7 @@ class Unit:
         self.watches_backward_end = True  # its backward's end is seen as it happens, not at the end of backward
         self.saved_for_backward = True  # autograd saved its gathered parameters in this step's forward
         self.call_began = -1  # autograd's sequence number when its last forward call began (after its input hooks)
-        self.parameters_watched = False  # its gathered parameters' gradients say that a backward began (hooks.py)
+        self.parameters_watched = False  # its gathered parameters' gradients say that a backward began (unit_hooks.py)
         self.checkpointed = False  # a module reading its parameters is recomputed in backward
         # this step, code outside the unit computed with its gathered parameters (read them: kept gathered to the end
         # of backward), or got a copy of one it returned; either way reduced at the end of backward (outside.py)
