@@ -1,22 +1,29 @@
 """The checkpoint side of ShardStrategy: model and optimizer state in either format (sharded directories or one
-full file), and what a resumed fit needs beyond them: the parameters that were trainable when the checkpoint was
-saved (a fine-tuning callback unfreezes layers during fit; Lightning restores neither their flags nor, for a
-strategy that restores after setup, the callback's param groups in time)."""
+full file), saved in the background during fit with ``async_save`` (checkpoint/async_save.py), and what a resumed fit
+needs beyond them: the parameters that were trainable when the checkpoint was saved (a fine-tuning callback unfreezes
+layers during fit; Lightning restores neither their flags nor, for a strategy that restores after setup, the
+callback's param groups in time)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shlex
+import sys
 from collections.abc import Mapping
+from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any, Optional, Union
 
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_shard.checkpoint import sharded
+from lightning_shard.checkpoint.async_save import AsyncSaver
 from lightning_shard.checkpoint.export import save_pretrained
 from lightning_shard.checkpoint.export_checkpoint import RECORD, describe_pretrained
 from lightning_shard.checkpoint.files import CheckpointError
@@ -33,6 +40,8 @@ from lightning_shard.engine.runtime.averaging import AveragedShards
 from lightning_shard.engine.runtime.hooks import ShardRuntime
 from lightning_shard.lightning.finetuning import readd_finetuning_groups
 
+log = logging.getLogger(__name__)
+
 
 class CheckpointState:
     """Mixed into ShardStrategy (which sets ``runtime``, ``state_dict_type`` and the Lightning attributes used)."""
@@ -40,7 +49,56 @@ class CheckpointState:
     runtime: Optional[ShardRuntime]
     state_dict_type: str
     save_frozen: bool
+    async_save: bool
+    _timeout: Optional[timedelta]
     _told_how_to_load = False
+    _background: Optional[AsyncSaver] = None  # async_save: the saves written in the background, set up at fit
+
+    # -- async_save ---------------------------------------------------------------------------------------------------
+    def prepare_background_saves(self) -> None:
+        """At a fit's setup: the process group of the background writes (every rank), and the step's first agreement
+        told of their failures (the engine's ``reducer.background``)."""
+        if not self.async_save or self.runtime is None:
+            return
+        if self._background is None:
+            self._background = AsyncSaver(timeout=self._timeout)
+        self._background.setup()
+        self.runtime.reducer.background = self._background
+        estimate = getattr(self, "memory_estimate", None)
+        if estimate is not None:  # the first save's host memory, touched ahead of it (checkpoint/staging.py)
+            self._background.stager.reserve(estimate.checkpoint_staging, self.root_device)
+
+    def _saves_in_background(self) -> bool:
+        """During a running fit; other saves (after it, in validate) are written before they return."""
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        return (self._background is not None and trainer is not None and trainer.state.fn == TrainerFn.FITTING
+                and trainer.state.status == TrainerStatus.RUNNING)
+
+    def complete_background_saves(self) -> None:
+        """Every rank: wait for the save in flight; raise on every rank, naming it, if it failed on any."""
+        if self._background is not None:
+            self._background.complete()
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """A checkpoint rotated away (``ModelCheckpoint``'s top-k, its previous ``last``) goes only once the save in
+        flight has committed: until then it may be the newest complete one."""
+        remove = partial(super().remove_checkpoint, filepath)  # type: ignore[misc]
+        if self._background is not None:
+            self._background.remove_after(remove)
+        else:
+            remove()
+
+    def on_exception(self, exception: BaseException) -> None:
+        """A fit failing (on this rank, or a peer's death seen here): the save in flight ends here first (bounded by
+        the process group timeout), and if it did not commit, the error says so, naming it."""
+        if self._background is not None:
+            bound = (self._timeout.total_seconds() if self._timeout is not None else 1800.0) + 60.0
+            said = self._background.wait_here(timeout=bound)
+            if said is not None:
+                log.error(said)
+                if sys.version_info >= (3, 11):
+                    exception.add_note(said)
+        super().on_exception(exception)  # type: ignore[misc]
 
     def _left_out(self) -> set[str]:
         """The parameters a checkpoint leaves out: under ``save_frozen=False`` the frozen ones never trained (every
@@ -100,7 +158,12 @@ class CheckpointState:
         if self.state_dict_type == "sharded":
             if storage_options is not None:
                 raise TypeError("`storage_options` is not supported with state_dict_type='sharded'.")
-            save_sharded(checkpoint, path, group=None)
+            if self._saves_in_background():
+                assert self._background is not None
+                self._background.save(checkpoint, path)  # staged; written while training goes on
+            else:
+                self.complete_background_saves()
+                save_sharded(checkpoint, path, group=None)
             if not self._told_how_to_load:
                 self._told_how_to_load = True
                 example = shlex.quote(str(path.parent / "NAME.ckpt"))  # this one may be rotated away later
@@ -122,6 +185,7 @@ class CheckpointState:
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Either format, saved on any number of ranks; checked first, read with ``weights_only=True``."""
         path = Path(self.broadcast(os.fspath(checkpoint_path)))
+        self.complete_background_saves()  # (one being written may be the one asked for)
         return open_checkpoint(path)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

@@ -32,6 +32,7 @@ class ProcessGroupMixin:
 
     _timeout: Optional[timedelta]
     _process_group_backend: Optional[str]
+    complete_background_saves: Any  # (checkpointing.py)
 
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
@@ -88,6 +89,7 @@ class ProcessGroupMixin:
         assert self.cluster_environment is not None and self.accelerator is not None
         if self._ended_cleanly():
             self._complete_inflight_gathers()
+            self.complete_background_saves()  # async_save: a fit returns once its last save is complete (or raises)
             self.barrier()  # no rank goes on to exit, closing its sockets, while another still communicates
         else:  # a peer may be dead or stuck in a collective: waiting on it, or destroying the group, could hang
             GROUP_AT_EXIT.failed = True

@@ -23,7 +23,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_shard.checkpoint.hf import init_peft_adapters
-from lightning_shard.checkpoint.io import validate_state_dict_type
+from lightning_shard.checkpoint.io import validate_async_save, validate_state_dict_type
 from lightning_shard.engine.comm.groups import validate_shard_size, validate_sharding
 from lightning_shard.engine.optim.optimizer_step import DEFAULT_STEP_GROUP_NUMEL
 from lightning_shard.engine.optim.optimizers import WHOLE, optimizer_kind
@@ -90,6 +90,8 @@ class ShardStrategy(ProcessGroupMixin, EvaluationHold, CheckpointState, Parallel
         state_dict_type: ``"sharded"`` (each rank writes its shards into a checkpoint directory) or ``"full"``
             (rank 0 writes one ordinary file); either loads on any number of ranks.
         save_frozen: ``False`` leaves frozen parameters out of checkpoints, fingerprinted.
+        async_save: a sharded save during fit copies the state to host memory and returns; the files are written in
+            the background while training goes on (the same checkpoint, crash-safe; one save in flight at a time).
         offload: ``"optimizer"`` (master weights, gradients and optimizer state in host memory, stepped by the
             CPU) or ``"params"`` (also no shard on the device between steps); the same numbers as without.
         offload_overlap: with ``offload``, the CPU steps each unit as its gradient lands, during backward, where
@@ -124,6 +126,7 @@ class ShardStrategy(ProcessGroupMixin, EvaluationHold, CheckpointState, Parallel
         nonfinite: Optional[str] = None,
         state_dict_type: str = "sharded",
         save_frozen: bool = True,
+        async_save: bool = False,
         offload: Optional[str] = None,
         offload_overlap: bool = True,
         elementwise_optimizers: Sequence[type] = (),
@@ -163,6 +166,7 @@ class ShardStrategy(ProcessGroupMixin, EvaluationHold, CheckpointState, Parallel
         self.nonfinite = check_nonfinite(nonfinite)
         self.state_dict_type = validate_state_dict_type(state_dict_type)
         self.save_frozen = check_flag("save_frozen", save_frozen)
+        self.async_save = validate_async_save(async_save, self.state_dict_type)
         self.offload = validate_offload(offload)
         self.offload_overlap = check_flag("offload_overlap", offload_overlap)
         self.offload_overlap_clip: Optional[tuple[Optional[float]]] = None  # decided at setup (offload_overlap.py)
@@ -268,6 +272,7 @@ class ShardStrategy(ProcessGroupMixin, EvaluationHold, CheckpointState, Parallel
                                                      self.offload_overlap and self.offload is not None)
             self.runtime.restage_each_step = self.offload_overlap_clip is None or restage_each_step(trainer)
             self.memory_estimate = report_memory_estimate(self, trainer)
+            self.prepare_background_saves()
 
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:
         """``configure_optimizers`` sees the parameters in their real shapes (placeholders: ``p.ndim`` rules for

@@ -65,7 +65,10 @@ class StepScope:
             for unit in self.units:
                 self._follow_requires_grad(unit)
             if step and self.world_size > 1 and torch.is_grad_enabled():
-                self.reducer.compare_trainable()
+                self.reducer.compare_trainable()  # (with whether work in the background failed on any rank)
+            elif step and self.world_size == 1 and self.reducer.background is not None:
+                if self.reducer.background.failed():  # one rank: nothing to agree on
+                    self.reducer.background.raise_failure()
             if step and self.broadcast_buffers:
                 if self._buffers_stale:
                     self.sync_buffers()
