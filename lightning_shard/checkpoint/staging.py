@@ -31,10 +31,12 @@ spot.
 from __future__ import annotations
 
 import copy
+import ctypes
 import dataclasses
 import mmap
 import os
 import threading
+import warnings
 from collections.abc import Iterator
 from typing import Any, Optional
 
@@ -75,20 +77,25 @@ def _aligned(nbytes: int) -> int:
 
 
 def _pin(pointer: int, nbytes: int) -> None:
-    code = torch.cuda.cudart().cudaHostRegister(pointer, nbytes, 0)
+    code = torch.cuda.cudart().cudaHostRegister(pointer, nbytes, 1)  # cudaHostRegisterPortable: any device's context
     if int(code) != 0:
         raise RuntimeError(f"lightning_shard: pinning {nbytes} bytes of host memory for checkpoint staging failed"
                            f" (cudaHostRegister: {code}).")
 
 
 class _Reserve:
-    """Host memory set aside for the copies, touched (and pinned, for a device) by a thread of low priority."""
+    """Host memory set aside for the copies, touched (and pinned, for a device) by a thread of low priority, a chunk at
+    a time: the first copy stops it where it is, and faults in the pages it did not reach itself."""
+
+    CHUNK = 1 << 24  # bytes touched between two looks at the stop flag
 
     def __init__(self, nbytes: int, device: Optional[torch.device]) -> None:
         self.memory = mmap.mmap(-1, nbytes)
         self.nbytes = nbytes
+        self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.memory))
         self.pinned = False
         self.error: Optional[BaseException] = None
+        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._touch, args=(device,), daemon=True,
                                         name="lightning_shard_checkpoint_reserve")
         self._thread.start()
@@ -99,19 +106,30 @@ class _Reserve:
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
             except (AttributeError, OSError):
                 pass
-            whole = torch.frombuffer(self.memory, dtype=torch.uint8)
-            whole.fill_(0)  # every page faulted in now, not in the first save's copy
-            if device is not None and device.type == "cuda":
+            for offset in range(0, self.nbytes, self.CHUNK):  # (one thread, no GIL held)
+                if self._stop.is_set():
+                    return
+                ctypes.memset(self.address + offset, 0, min(self.CHUNK, self.nbytes - offset))
+            if device is not None and device.type == "cuda" and not self._stop.is_set():
                 torch.cuda.set_device(device)
-                _pin(whole.data_ptr(), self.nbytes)
-                self.pinned = True
+                self.pin()
         except BaseException as err:  # noqa: BLE001 - the first copy allocates its own memory instead
             self.error = err
 
+    def pin(self) -> None:
+        if not self.pinned:
+            _pin(self.address, self.nbytes)
+            self.pinned = True
+
     def ready(self) -> bool:
-        """Wait for the touching thread; whether the memory can be used."""
+        """Stop the touching thread where it is; whether the memory can be used."""
+        self._stop.set()
         self._thread.join()
         return self.error is None
+
+    def finish_touching(self) -> None:
+        """Wait for the touching thread to touch (and pin) it all."""
+        self._thread.join()
 
     def cut(self, layout: tuple[tuple[torch.Size, torch.dtype], ...]) -> Optional[list[Tensor]]:
         """One tensor per ``layout`` entry, each over a slice of the reserve (a storage of its own); None if it
@@ -129,9 +147,9 @@ class _Reserve:
         return tensors
 
     def release(self) -> None:
-        self._thread.join()
+        self.ready()
         if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(torch.frombuffer(self.memory, dtype=torch.uint8).data_ptr())
+            torch.cuda.cudart().cudaHostUnregister(self.address)
             self.pinned = False
 
 
@@ -166,7 +184,7 @@ class HostStager:
     def wait_reserved(self) -> None:
         """Wait until the reserve is touched (a benchmark's first save, as in a run whose setup was steps before)."""
         if self._reserve is not None:
-            self._reserve.ready()
+            self._reserve.finish_touching()
 
     @torch.no_grad()
     def copy(self, items: dict[str, Any]) -> dict[str, Any]:
@@ -227,29 +245,36 @@ class HostStager:
         self._layout, self._pinned = layout, pin
         if self._reserve is not None:
             cut = self._reserve.cut(layout) if self._reserve.ready() else None
-            if cut is not None and (self._reserve.pinned or not pin or not torch.cuda.is_available()):
+            if cut is not None and pin and torch.cuda.is_available():
+                try:
+                    self._reserve.pin()  # (where the touching thread did not get that far)
+                except RuntimeError:
+                    cut = None
+            if cut is not None:
                 self._buffers = cut
                 return
             self._reserve.release()  # (it does not fit: allocated here instead, and the reserve given back)
             self._reserve = None
         self._buffers = [torch.empty(shape, dtype=dtype) for shape, dtype in layout]
         if pin and torch.cuda.is_available():
-            for buffer in self._buffers:
-                nbytes = buffer.numel() * buffer.element_size()
-                if nbytes:
-                    try:
+            try:
+                for buffer in self._buffers:
+                    nbytes = buffer.numel() * buffer.element_size()
+                    if nbytes:
                         _pin(buffer.data_ptr(), nbytes)
-                    except RuntimeError:
-                        self._release()
-                        raise
-                    self._registered.append(buffer.data_ptr())
+                        self._registered.append(buffer.data_ptr())
+            except RuntimeError as err:  # still right, slower: a copy into pageable memory waits for the device
+                self._unpin()
+                warnings.warn(f"{err} The copies go to pageable host memory: each save waits for them.", stacklevel=3)
+
+    def _unpin(self) -> None:
+        for pointer in self._registered:
+            torch.cuda.cudart().cudaHostUnregister(pointer)
+        self._registered = []
 
     def _release(self) -> None:
-        if self._registered:
-            cudart = torch.cuda.cudart()
-            for pointer in self._registered:
-                cudart.cudaHostUnregister(pointer)
-        self._buffers, self._layout, self._registered, self._pinned = [], None, [], False
+        self._unpin()
+        self._buffers, self._layout, self._pinned = [], None, False
         self._rebuilt_before.clear()
 
 

@@ -114,11 +114,11 @@ class MemoryEstimate:
 
     def table(self, omit: Sequence[str] = ()) -> str:
         """One row per figure, in MiB; ``omit`` leaves rows out (the setup's estimate has no activations)."""
-        rows = [f"  {name:<17} {value / MiB:10.1f} MiB" for name, value in self.as_dict().items()
-                if not name.startswith("host") and name not in omit and (name != "checkpoint_staging" or value)]
+        rows = [f"  {name:<18} {value / MiB:10.1f} MiB" for name, value in self.as_dict().items()
+                if not name.startswith("host") and name not in omit]
         if self.host:  # offload, async checkpoint staging
             rows[-1] += " on the device"
-            rows.append(f"  {'host':<17} {self.host / MiB:10.1f} MiB in host memory ({self.host_uses})")
+            rows.append(f"  {'host':<18} {self.host / MiB:10.1f} MiB in host memory ({self.host_uses})")
         return "\n".join(rows)
 
 
