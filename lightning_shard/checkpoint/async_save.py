@@ -89,10 +89,12 @@ class _InFlight:
 class AsyncSaver:
     """Sharded saves of one training run written in the background (see the module note). Every rank creates one and
     calls :meth:`setup`, :meth:`save` and :meth:`complete` at the same points. ``timeout``: the bound on the collectives
-    of its own process group (a dead peer turns into an error within it)."""
+    of its own process group (a dead peer turns into an error within it); ``device``: the rank's (a GPU: the writing
+    thread's current device, where DCP's writer makes its stream)."""
 
-    def __init__(self, timeout: Optional[timedelta] = None) -> None:
+    def __init__(self, timeout: Optional[timedelta] = None, device: Optional[torch.device] = None) -> None:
         self.timeout = timeout
+        self.device = device
         self.group: Optional[dist.ProcessGroup] = None
         self.stager = staging.HostStager()
         self._writer: Optional[ThreadPoolExecutor] = None  # one thread, for the saves' lifetime
@@ -146,6 +148,8 @@ class AsyncSaver:
         """In the saves' thread: DCP writes the files, then what a synchronous save does after its writes, each step
         agreed by every rank."""
         try:
+            if self.device is not None and self.device.type == "cuda":
+                torch.cuda.set_device(self.device)  # (a new thread's is device 0)
             writer = StagedWriter(files.partial_path(inflight.path), self.stager.landed)
             _agree_on(lambda: dcp.save(staged, storage_writer=writer, process_group=self.group), self.group)
             partial = files.partial_path(inflight.path)

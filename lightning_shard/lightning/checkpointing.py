@@ -61,7 +61,7 @@ class CheckpointState:
         if not self.async_save or self.runtime is None:
             return
         if self._background is None:
-            self._background = AsyncSaver(timeout=self._timeout)
+            self._background = AsyncSaver(timeout=self._timeout, device=self.root_device)
         self._background.setup()
         self.runtime.reducer.background = self._background
         estimate = getattr(self, "memory_estimate", None)

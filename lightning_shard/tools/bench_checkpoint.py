@@ -176,7 +176,7 @@ def _ours(args, directory: Path, kind: str) -> dict[str, Any]:
 
     model, runtime, optimizer = _trained(args)
     path = directory / f"{kind}.ckpt"
-    saver = AsyncSaver(timeout=timedelta(seconds=1800)) if kind == "sharded_async" else None
+    saver = AsyncSaver(timeout=timedelta(seconds=1800), device=_device(args)) if kind == "sharded_async" else None
     if saver is not None:  # as the strategy sets it up: the staging memory reserved (and touched) at setup
         from lightning_shard.memory.estimate import estimate_sharded
 
