@@ -300,7 +300,7 @@ def qlora_both_ways(rank: int, world: int, base: str, case: tuple, directory: st
                 "optimizer_states": [sharded.optimizer_state(runtime, optimizer)]}
 
     save_sharded(checkpoint(), Path(directory) / "sync")
-    saver = async_save.AsyncSaver(device=device)
+    saver = async_save.AsyncSaver()
     saver.setup()
     runtime.reducer.background = saver
     steps = [0]
