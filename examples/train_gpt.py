@@ -17,6 +17,7 @@ from lightning_shard.app.callbacks import PrintProgress
 from lightning_shard.app.data.text import CharTextDataModule
 from lightning_shard.app.models.gpt import GPT
 from lightning_shard.app.models.lit_lm import LitLanguageModel
+from lightning_shard.app.quiet import quiet
 
 
 def main() -> None:
@@ -31,7 +32,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--batch", type=int, default=16)
     args = parser.parse_args()
-
+    quiet()  # Lightning's notes about its own code (each rank runs this script)
     torch.set_num_threads(1)  # one core per process
     L.seed_everything(0)
     data = CharTextDataModule(seq_len=args.seq, batch_size=args.batch)
@@ -45,6 +46,15 @@ def main() -> None:
         callbacks=[PrintProgress(every=10)],
     )
     trainer.fit(model, data)
+
+    # the trained model's logits, its units held gathered for the loop: every rank runs it (greedy, 60 characters)
+    ids = torch.tensor([[data.vocab.index(ch) for ch in "The "]])
+    with torch.no_grad(), trainer.strategy.keep_gathered():
+        for _ in range(60):
+            logits = model.model(ids[:, -args.seq:])
+            ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    if trainer.global_rank == 0:
+        print("sample:", repr("".join(data.vocab[i] for i in ids[0].tolist())))
 
 
 if __name__ == "__main__":

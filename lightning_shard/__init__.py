@@ -17,6 +17,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_shard.checkpoint.consolidate import consolidate
 from lightning_shard.checkpoint.export import save_pretrained
+from lightning_shard.checkpoint.from_pretrained import from_pretrained
 from lightning_shard.checkpoint.pretrained import load_pretrained
 from lightning_shard.engine.shard_module import shard_module
 from lightning_shard.lightning.callbacks import SavePretrained
@@ -28,4 +29,4 @@ from lightning_shard.lightning.weight_averaging import ShardedWeightAveraging
 ShardStrategy.register_strategies(StrategyRegistry)
 
 __all__ = ["MixedPrecision", "SavePretrained", "ShardStrategy", "ShardedEMA", "ShardedWeightAveraging", "consolidate",
-           "load_pretrained", "save_pretrained", "shard_module"]
+           "from_pretrained", "load_pretrained", "save_pretrained", "shard_module"]

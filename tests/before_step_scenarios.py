@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
+from lightning_shard.checkpoint.full import full_state_dict
 from lightning_shard.engine.shard_module import shard_module
 from tests.exactness_scenarios import assert_matches
 
@@ -107,27 +108,30 @@ def scaler_backs_off(rank: int, world: int, policy, steps: int = 8) -> dict:
             "skipped_by_policy": runtime.skipped_steps}
 
 
-def plain_grad_scaler(rank: int, world: int, sharding: str, overflow_on: int) -> str:
-    """A torch.amp.GradScaler stepping sharded gradients, the last micro-batch's gradient infinite on rank
-    ``overflow_on`` (-1: none)."""
-    torch.manual_seed(0)
-    model = Mlp()
-    runtime = shard_module(model, sharding=sharding, units=["Sequential"], param_dtype=torch.float16,
-                           reduce_dtype=torch.float32)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
-    try:
-        for (x,) in _batches(world, 3, 1):
+def plain_grad_scaler(rank: int, world: int, sharding: str, overflow_on: int) -> dict:
+    """A torch.amp.GradScaler and a ShardedGradScaler each stepping sharded gradients, the gradient infinite on rank
+    ``overflow_on``'s shard (-1: none) at the second step: per scaler, the scale each step and the final weights."""
+    out = {}
+    for make in (lambda: torch.amp.GradScaler("cpu", init_scale=2.0**4),
+                 lambda: ShardedGradScaler("cpu", init_scale=2.0**4)):
+        torch.manual_seed(0)
+        model = Mlp()
+        runtime = shard_module(model, sharding=sharding, units=["Sequential"], param_dtype=torch.float16,
+                               reduce_dtype=torch.float32)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        scaler = make()
+        scales = []
+        for step, (x,) in enumerate(_batches(world, 3, 1)):
             scaler.scale(model(x.chunk(world)[rank]).float().pow(2).mean()).backward()
-            if rank == overflow_on:
+            if rank == overflow_on and step == 1:
                 next(p for p in model.parameters() if p.grad is not None and p.numel()).grad[0] = float("inf")
             scaler.step(opt)
             scaler.update()
+            scales.append(scaler.get_scale())
             opt.zero_grad()
             runtime.after_optimizer_step()
-    except Exception as err:  # noqa: BLE001 (what the rank saw is the result)
-        return f"{type(err).__name__}: {err}"
-    return f"trained at scale {scaler.get_scale()}"
+        out[type(scaler).__name__] = {"scales": scales, "state": full_state_dict(runtime, rank0_only=False)}
+    return out
 
 
 def clipping_with_a_dropped_gradient(rank: int, world: int, sharding: str) -> dict:

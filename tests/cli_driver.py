@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import runpy
 import sys
 import warnings
@@ -25,8 +26,12 @@ def run_case(module: str, args: list[str]) -> dict:
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*found in sys.modules", category=RuntimeWarning)  # 2nd run
         try:
-            if module.endswith(".py"):  # a script: ``python PATH ARGS``
-                runpy.run_path(module, run_name="__main__")
+            if module.endswith(".py"):  # a script: ``python PATH ARGS``, its folder first on the path as there
+                sys.path.insert(0, os.path.dirname(os.path.abspath(module)))
+                try:
+                    runpy.run_path(module, run_name="__main__")
+                finally:
+                    sys.path.pop(0)
             else:
                 runpy.run_module(module, run_name="__main__", alter_sys=True)
         except SystemExit as exit_:

@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_shard.engine.shard_module import shard_module
 from lightning_shard.checkpoint.full import full_state_dict
+from lightning_shard.checkpoint.sharded import model_state
 from tests.fsdp2_port_common import ATOL, RTOL, adamw, assert_same_grads
 
 
@@ -295,6 +296,8 @@ def train_eval_switches(rank, world, mode, broadcast_buffers, save_at: int = -1)
     def step(net, x, i, side):
         if i == save_at and side.runtime is not None:
             full_state_dict(side.runtime)
+            full_state_dict(side.runtime, rank0_only=False)
+            model_state(side.runtime)  # (a sharded checkpoint's items)
         side.module.eval()
         with torch.no_grad():
             evals.append(net(x).clone())

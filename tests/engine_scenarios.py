@@ -254,3 +254,34 @@ def write_input_in_place(rank: int, world: int) -> None:
     shard_module(model, units=["_WritesItsInput"])
     for _ in range(2):
         model(torch.randn(3, 4)).sum().backward()
+
+
+def gathers_per_step(rank: int, world: int, cases: list[dict], steps: int = 3) -> list[list[dict[str, int]]]:
+    """Per case (``shard_module`` options, ``run_step``: the strategy's way in), the all-gathers of each unit in each
+    step (an untied LM, its token embedding a unit of its own, with the elision on)."""
+    out = []
+    for case in cases:
+        case = dict(case)
+        through_run_step = case.pop("run_step", False)
+        torch.manual_seed(0)
+        model = models.UntiedLM()
+        runtime = shard_module(model, units=["Embedding", "Block"], elide_backward_gathers=True, **case)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        g = torch.Generator().manual_seed(7)
+        counts = []
+        for _ in range(steps):
+            runtime.trace = []
+            batch = models.UntiedLM.batch(g, 4 * world).chunk(world)[rank]
+            loss = (runtime.run_step(models.UntiedLM.loss, model, batch, 0) if through_run_step
+                    else models.UntiedLM.loss(model, batch, 0))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            runtime.after_optimizer_step()
+            per_unit: dict[str, int] = {}
+            for op, unit in runtime.trace:
+                if op == "all_gather":
+                    per_unit[unit] = per_unit.get(unit, 0) + 1
+            counts.append(per_unit)
+        out.append(counts)
+    return out

@@ -95,6 +95,7 @@ def through_lightning(rank: int, world: int, precision: str, accumulate: int, fr
     batches = [torch.randint(0, vocab, (batch_size, seq + 1), generator=g) for _ in range((measured_step + 2) * accumulate)]
     estimate = estimate_memory(module.model, world, "full", step=gpt_loss, batch=batches[0],
                                param_dtype=ShardPrecision(precision).policy.param_dtype,
+                               cast_params=ShardPrecision(precision).policy.cast_params,
                                autocast=ShardPrecision(precision).autocast_dtype, accumulate_grad_batches=accumulate,
                                zero_grad_before_backward=not free_grads)
     measure = Measure()

@@ -4,6 +4,9 @@
 * One rank on one GPU (NCCL, world 1), through the Trainer: ShardStrategy against Lightning with no strategy
   on the same model and data, in 32-true and bf16-mixed.
 * Two ranks on the same GPU through gloo, the engine alone: against DDP on the same GPU, each sharding mode.
+* Two and three ranks on the same GPU through gloo with everything the CUDA path does at world > 1 turned on
+  (tests/cuda_world_scenarios.py: side-stream prefetch 1 and 2, accumulation, clipping, offload, a unit of two dtypes,
+  bf16 gathers with fp32 reduction), against DDP on the same world and group.
 
 Run as a script (``python tests/test_cuda.py OUT PRECISION DEVICE``), this file trains the world-1 runs in a
 fresh interpreter (the process group and CUDA state stay out of pytest) and saves them to OUT.
@@ -367,6 +370,27 @@ def test_async_save_copies_device_shards_into_pinned_memory_and_writes_what_a_sy
         assert r["held"] == [[2]] and "cuda:0" in r["devices"] and r["pinned"], r
         assert r["held_bytes"] == r["bytes"]
     assert same(consolidated(tmp_path / "async"), consolidated(tmp_path / "sync"))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_world_2_and_3_on_one_gpu_with_the_whole_cuda_path_match_ddp(world):
+    """World 1 skips most of the CUDA path (no side-stream gathers, no reductions to hand over): a stream race shows
+    only at world > 1. gloo moves real data between the processes, CUDA tensors included (it stages them through host
+    memory itself); where it refuses one of the engine's collectives the test skips, naming it."""
+    from tests.cuda_world_scenarios import SCENARIOS, against_ddp, assert_like_ddp
+    from tests.world import run_world
+
+    names = tuple(SCENARIOS)
+    reports = run_world(against_ddp, world, "cuda", names, timeout=280)
+    refused = [r["refused"] for r in reports if "refused" in r]
+    if refused:
+        pytest.skip(refused[0])
+    assert_like_ddp(reports, names)
+    for report in reports:
+        for name in names:
+            r = report[name]
+            assert r["streams"] == "CudaStreams", (name, r["streams"])  # the side streams and their events ran
+            assert r["shard_device"] == ("cpu" if "offload" in name else "cuda:0"), (name, r["shard_device"])
 
 
 if __name__ == "__main__":

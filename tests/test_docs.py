@@ -5,6 +5,7 @@ every row of the setup report is explained; no issue numbers in the user's pages
 
 from __future__ import annotations
 
+import ast
 import configparser
 import contextlib
 import importlib.util
@@ -250,6 +251,46 @@ def test_every_command_the_pages_show_parses():
     assert not problems, "\n".join(problems)
 
 
+def extra_packages() -> dict[str, set[str]]:
+    """Each extra of setup.cfg and the packages it names ("(none)": install_requires)."""
+    cfg = setup_cfg()
+    named = lambda value: {re.split(r"[<>=!~\[; ]", line.strip())[0] for line in value.split("\n") if line.strip()}
+    return {"(none)": named(cfg["options"]["install_requires"]),
+            **{name: named(value) for name, value in cfg["options.extras_require"].items()}}
+
+
+def test_the_extras_tell_one_story():
+    """README's table of extras lists setup.cfg's, package for package; `test` brings every package of `qlora`, and
+    `.ci/run` installs every package a test imports (or what those bring)."""
+    from importlib import metadata
+
+    extras = extra_packages()
+    text = README.read_text()
+    table = list(itertools.takewhile(lambda line: line.startswith("|"),
+                                     text[text.index("| extra | brings | needed for |"):].splitlines()))
+    rows = {cells[0].strip("` "): set(INLINE.findall(cells[1])) for line in table[2:]
+            for cells in [line.strip("|").split("|")]}
+    rows = {name: packages for name, packages in rows.items() if name != "(none)" or packages}
+    assert rows == extras, (rows, extras)
+    assert extras["hf"] <= extras["qlora"] <= extras["test"]
+    ci = next(shlex.split(line) for line in (ROOT / ".ci" / "run").read_text().splitlines()
+              if " install " in line and not line.startswith("#"))
+    installed = set(extras["(none)"]).union(*(extras[e] for e in next(a for a in ci if a.startswith(".["))[2:-1]
+                                                .split(",")))
+    brought = set(installed)
+    for package in installed:  # and what they require
+        brought |= {re.split(r"[<>=!~\[; (]", r)[0] for r in (metadata.requires(package) or []) if "extra ==" not in r}
+    names = {p.lower().replace("_", "-") for p in brought} | {"torch"}
+    distributions = metadata.packages_distributions()
+    imported = {node.names[0].name if isinstance(node, ast.Import) else node.module
+                for path in (ROOT / "tests").glob("*.py") for node in ast.walk(ast.parse(path.read_text()))
+                if isinstance(node, ast.Import) or (isinstance(node, ast.ImportFrom) and node.module and not node.level)}
+    third_party = {m.split(".")[0] for m in imported} - set(sys.stdlib_module_names) - {"lightning_shard", "tests"}
+    missing = [m for m in sorted(third_party)
+               if not {d.lower().replace("_", "-") for d in distributions.get(m, [m])} & names]
+    assert missing == [], f"tests import {missing}, which .ci/run does not install"
+
+
 def test_ci_runs_readmes_two_set_up_commands():
     """README's quick start is two commands, install-and-train and the tests; .ci/run installs the same way and runs
     the same test command."""
@@ -265,3 +306,63 @@ def test_ci_runs_readmes_two_set_up_commands():
     ci_install = next(argv for argv in ci if "install" in argv)
     assert set(install[2:]) <= set(ci_install), (install, ci_install)
     assert shlex.split(blocks[1]) in ci, (blocks[1], ci)
+
+
+# -- code that runs ----------------------------------------------------------------------------------------------
+def section(page: Path, heading: str) -> str:
+    text = page.read_text()
+    start = text.index(f"\n## {heading}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end > 0 else None]
+
+
+def test_the_qlora_recipe_of_hf_md_runs_and_its_adapter_reloads_to_the_sharded_logits(tmp_path):
+    """docs/hf.md's QLoRA section is a script: run as it is (2 CPU ranks) on a tiny Llama folder, peft's reload of
+    its adapter in one process gives the sharded model's logits exactly."""
+    pytest.importorskip("bitsandbytes", reason="needs the qlora extra")
+    from lightning_shard.app.models.tiny_llama import tiny_llama_folder
+
+    scripts = [body for lang, body in FENCE.findall(section(ROOT / "docs" / "hf.md", "QLoRA: a 4-bit base"))
+               if lang == "python"]
+    assert len(scripts) == 1 and '"path/to/llama"' in scripts[0]
+    folder = tiny_llama_folder(tmp_path / "llama", tie_word_embeddings=False)
+    (tmp_path / "qlora.py").write_text(scripts[0].replace('"path/to/llama"', repr(str(folder))))
+    proc = subprocess.run([sys.executable, "qlora.py"], cwd=tmp_path, capture_output=True, text=True, timeout=280,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
+    assert float(proc.stdout.split("max |logits difference|")[1].split()[0]) == 0.0, proc.stdout[-2000:]
+
+
+# -- figures read from the code ------------------------------------------------------------------------------------
+SWEEP = (400000, 1600000, 3200000, 12800000)  # README's and docs/hydra.md's sweep command
+
+
+def test_the_setup_reports_and_sweep_figures_the_pages_quote_are_what_the_code_gives(tmp_path):
+    """The quick start's setup report in README, the sweep's GPT (parameters, blocks, units per unit size, setup
+    estimates) in README and docs/hydra.md, and the plan docs/options.md shows: as the app's configs give them at
+    setup on 2 ranks today."""
+    from tests import docs_scenarios
+    from tests.world import run_world
+
+    runs = [[]] + [["experiment=unit_size_sweep", f"strategy.unit_size={size}"] for size in SWEEP]
+    quick_start, *sweep = run_world(docs_scenarios.setup_reports, 2, runs, str(tmp_path), timeout=280)[0]
+    readme, hydra = README.read_text(), (ROOT / "docs" / "hydra.md").read_text()
+    shown = [body.strip() for lang, body in FENCE.findall(section(README, "Quick start")) if not lang]
+    assert shown == [quick_start], (shown, quick_start)
+    options = [body.strip() for lang, body in FENCE.findall((ROOT / "docs" / "options.md").read_text())
+               if body.startswith("lightning_shard: sharding=")]
+    one_block = sweep[SWEEP.index(3200000)]
+    assert options == [one_block.split("\nlightning_shard: estimated")[0]], (options, one_block)
+    parameters = {re.search(r"units over 2 ranks, ([\d.]+M) parameters", r).group(1) for r in sweep}
+    blocks, block_size = re.search(r"(\d+) x Block +([\d.]+M) parameters each", one_block).groups()
+    assert len(parameters) == 1
+    total = parameters.pop()
+    assert f"the benchmark GPT, {total} parameters, 2 ranks" in readme
+    assert f"{total} parameters with the text's vocabulary: {blocks} blocks of {block_size}" in hydra
+    units = {size: int(re.search(r"(\d+) units over", r).group(1)) for size, r in zip(SWEEP, sweep)}
+    for page in (readme, hydra):
+        rows = {int(size.replace(",", "")): int(n)
+                for size, n in re.findall(r"^\| ([\d,]+)(?: \([^)]*\))? \| (\d+) \|", page, re.M)}
+        assert rows == units, (rows, units)
+    estimates = [re.search(r"before activations ([\d.]+) MiB", r).group(1) for r in sweep]
+    assert f"the setup estimates: {', '.join(estimates[:-1])} and {estimates[-1]} MiB per rank" in hydra

@@ -18,6 +18,8 @@ BELOW = {
     "lightning": {"engine", "checkpoint", "memory"},
     "app": {"engine", "checkpoint", "memory", "lightning", ""},
     "tools": {"engine", "checkpoint", "memory", "lightning", "app", ""},
+    # the simulator runs the engine and FSDP2 on a simulated world, with the benchmarks' models and process spawning
+    "simulate": {"engine", "checkpoint", "memory", "lightning", "app", "tools", ""},
 }
 FRAMEWORKS = ("lightning", "lightning_utilities", "hydra", "omegaconf")  # not below the Lightning face
 # the engine's rooms, each importing only the rooms before it; shard_module.py, the entry point, all of them

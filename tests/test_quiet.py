@@ -21,6 +21,7 @@ def _unfiltered_loggers():
     yield
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
         logging.getLogger(name).removeFilter(quiet_module._not_a_tip)
+    logging.getLogger(quiet_module.BNB_CPU_LOGGER).removeFilter(quiet_module._not_the_kernels_note)
 
 
 def test_only_lightnings_noise_is_filtered():
@@ -31,6 +32,34 @@ def test_only_lightnings_noise_is_filtered():
                       FutureWarning)
         warnings.warn("a FutureWarning of the user's", FutureWarning)
     assert [str(w.message) for w in seen] == ["a FutureWarning of the user's"]
+
+
+def test_transformers_deprecation_that_peft_trips_is_filtered_where_transformers_raises_it_only():
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        quiet()
+        for name in ("is_gradient_checkpointing", "gradient_checkpointing_enable"):
+            deprecated = f"`{name}` is deprecated and will be removed in v6."
+            warnings.warn_explicit(deprecated, FutureWarning, "modeling_utils.py", 1,
+                                   module="transformers.modeling_utils")
+            warnings.warn_explicit(deprecated, FutureWarning, "mine.py", 1, module="mine")  # not transformers' own
+    assert [w.filename for w in seen] == ["mine.py", "mine.py"]
+
+
+def test_the_bitsandbytes_kernels_note_is_filtered_not_its_other_warnings():
+    log = logging.getLogger(quiet_module.BNB_CPU_LOGGER)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    log.addHandler(handler)
+    try:
+        quiet()
+        log.warning("Failed to load CPU gemm_4bit_forward from kernels-community: %s. Please make sure you already"
+                    " `pip install kernels`", "No module named 'kernels'")
+        log.warning("another warning of bitsandbytes")
+    finally:
+        log.removeHandler(handler)
+    assert [r.getMessage() for r in records] == ["another warning of bitsandbytes"]
 
 
 def test_lightnings_tips_are_filtered_not_its_information():

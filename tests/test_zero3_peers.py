@@ -12,8 +12,8 @@ pytestmark = pytest.mark.timeout(400)
 
 
 def test_a_unit_returning_its_own_parameter_trains_like_ddp_and_what_it_returned_stays_readable():
-    """Megatron's ``(output, self.bias)``: the caller got a view of the gathered buffer the unit then freed, and both
-    ranks died of a segfault in the first forward."""
+    """Megatron's ``(output, self.bias)``, and the same inside a plain object (DeepSpeed's test_ext_param_returnobj):
+    the caller got a view of the gathered buffer the unit then freed, and both ranks died of a segfault."""
     assert run_world(zero3_scenarios.returns_own_parameter, 2, timeout=300) == [True, True]
 
 

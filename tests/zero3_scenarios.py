@@ -77,6 +77,32 @@ class FusedBias(nn.Module):
         return self.head(torch.tanh(h * scale))
 
 
+class Holder:
+    """DeepSpeed's test_ext_param_returnobj: a plain class (no dataclass, no pytree node) wrapping what a unit returns."""
+
+    def __init__(self, out=None, bias=None) -> None:
+        self.out, self.bias = out, bias
+
+
+class ReturnsObject(LinearWrapper):
+    def forward(self, x):
+        return Holder(out=self.linear(x), bias=self.bias)
+
+
+class FusedObjectBias(FusedBias):
+    """FusedBias's units returning their output and bias inside a :class:`Holder` (both ranks died of a segfault:
+    the bias inside was a view of the freed gathered buffer, and the output's backward was unseen)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = ReturnsObject(6, 10), ReturnsObject(10, 7)
+
+    def forward(self, x):
+        first = self.first(x)
+        second = self.second(torch.tanh(first.out + first.bias))
+        return self.head(torch.tanh(second.out * second.bias))
+
+
 def returns_own_parameter(rank: int, world: int) -> bool:
     """Against DDP, each unit freed after its forward (``full``) or after its backward (``grad_op``); the returned bias
     kept by the module is readable after the step, holding what the last forward returned (it read freed memory: a
@@ -84,6 +110,7 @@ def returns_own_parameter(rank: int, world: int) -> bool:
     for sharding in ("full", "grad_op"):
         model, reference = _against_ddp(rank, world, FusedBias, {"sharding": sharding, "units": ["LinearWrapper"]})
         torch.testing.assert_close(model.kept.detach(), reference.value_kept, rtol=1e-5, atol=1e-6)
+        _against_ddp(rank, world, FusedObjectBias, {"sharding": sharding, "units": ["ReturnsObject"]})
     return True
 
 

@@ -37,6 +37,7 @@ def estimate_config(cfg: Any) -> tuple[MemoryEstimate, int]:
     estimate = estimate_memory(
         module, world, sharding=strategy.sharding, units=strategy.units, unit_size=strategy.unit_size,
         min_unit_size=strategy.min_unit_size, prefetch=strategy.prefetch, param_dtype=policy.param_dtype,
+        cast_params=policy.cast_params,
         master_dtype=torch.bfloat16 if precision == "bf16-true" else None, optimizer=optimizer,
         step=lambda m, b: m.training_step(b, 0), batch=batch,
         activation_checkpointing=strategy.activation_checkpointing,

@@ -1,5 +1,5 @@
-"""Third-party messages that are not the user's business, silenced by our commands (and their spawned ranks,
-which start with fresh filters) but never on import of the library: a user's own script sees everything.
+"""Third-party messages that are not the user's business, silenced by our commands and examples (and their spawned
+ranks, which start with fresh filters) but never on import of the library: a user's own script sees everything.
 
 Lightning's note before ``trainer.test`` on several ranks, that its DistributedSampler "replicates some samples" to
 give every rank as many, is shown where it is true of the run (a sample was tested twice: it says how the test metrics
@@ -25,14 +25,30 @@ def quiet() -> None:
     # test about Lightning's code, which nothing in a user's code or config can change
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
                             category=FutureWarning)
+    # peft's get_peft_model and prepare_model_for_kbit_training call transformers 5's deprecated
+    # `is_gradient_checkpointing` and `gradient_checkpointing_enable` (a FutureWarning per process, pointing into
+    # transformers): peft's business, not the user's
+    warnings.filterwarnings("ignore", message=r"`(is_)?gradient_checkpointing(_enable)?` is deprecated",
+                            category=FutureWarning, module=r"transformers\.modeling_utils")
     # Lightning advertises its cloud services on every run ("💡 Tip: ... litlogger", "... litmodels"); the
     # rank-zero logger is named after whichever of fabric and pytorch was imported last
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
         logging.getLogger(name).addFilter(_not_a_tip)
+    # bitsandbytes, imported by peft and transformers in every Hugging Face run, says on CPUs with AVX512-BF16 that
+    # it failed to load a faster kernel for 4-bit inference from the Hub ("pip install kernels"): training never
+    # uses it, and the package it asks for downloads code at import (docs/hf.md#qlora-a-4-bit-base)
+    logging.getLogger(BNB_CPU_LOGGER).addFilter(_not_the_kernels_note)
+
+
+BNB_CPU_LOGGER = "bitsandbytes.backends.cpu.ops"
 
 
 def _not_a_tip(record: logging.LogRecord) -> bool:
     return not str(record.msg).startswith("💡 Tip")
+
+
+def _not_the_kernels_note(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("Failed to load CPU gemm_4bit_forward from kernels-community")
 
 
 @contextmanager

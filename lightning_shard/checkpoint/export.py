@@ -65,8 +65,7 @@ def save_pretrained(module: nn.Module, folder: Union[str, Path], dtype: Optional
     folder = Path(folder)
     runtime = getattr(module, "_shard_runtime", None)
     if runtime is not None:
-        runtime.adopt_rebound_shards()
-        runtime.sync_buffers()  # rank 0's, as in checkpoints (every rank: a broadcast)
+        runtime.adopt_rebound_shards()  # (the buffers written are rank 0's own: rank 0 writes)
     writing = not dist.is_initialized() or dist.get_rank() == 0
     carried, refusal = [], None
     if writing:

@@ -78,31 +78,31 @@ def full_state_dict(runtime: ShardRuntime, rank0_only: bool = True, skip: Abstra
     """
     keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
     runtime.adopt_rebound_shards()
-    runtime.sync_buffers()  # every rank's copy is rank 0's, as under DDP
-    full: list[tuple[ParamSlot, Tensor]] = []
-    for unit in runtime.units:
-        storage = unit.storage
-        if all(slot.names[0] in skip for slot in storage.slots):  # stands in for them: shapes, no memory
-            full += [(slot, nn.Parameter(torch.empty(slot.shape, dtype=shard.dtype, device="meta"),
-                                         requires_grad=False))
-                     for slot, shard in zip(storage.slots, storage.shard_params)]
-            continue
-        flat = gather_master(runtime, storage)
-        if keep:
-            values = [value.to("cpu", copy=True) for value in storage.master_values(flat)]
-            params = full_parameters(storage.slots, values, [shard.requires_grad for shard in storage.shard_params])
-            full += list(zip(storage.slots, params))
-        del flat
-    if not keep:
-        return {}
-    # (a packed weight left out takes its quantization state, which bitsandbytes writes beside it, along)
-    left_out = {name for slot, _ in full if slot.names[0] in skip for name in slot.names}
-    packed_out = tuple(f"{name}." for slot, _ in full if getattr(slot, "quant", None) is not None
-                       and slot.names[0] in skip for name in slot.names)
-    with registered(full), runtime.plain_state_dict():
-        state = runtime.root.state_dict()
-    return {k: v.detach().cpu() if isinstance(v, Tensor) else v for k, v in state.items()
-            if k not in left_out and not (packed_out and k.startswith(packed_out))}
+    with runtime.rank0_buffers(everywhere=not rank0_only):  # what DDP's rank 0 would write (every rank enters)
+        full: list[tuple[ParamSlot, Tensor]] = []
+        for unit in runtime.units:
+            storage = unit.storage
+            if all(slot.names[0] in skip for slot in storage.slots):  # stands in for them: shapes, no memory
+                full += [(slot, nn.Parameter(torch.empty(slot.shape, dtype=shard.dtype, device="meta"),
+                                             requires_grad=False))
+                         for slot, shard in zip(storage.slots, storage.shard_params)]
+                continue
+            flat = gather_master(runtime, storage)
+            if keep:
+                values = [value.to("cpu", copy=True) for value in storage.master_values(flat)]
+                params = full_parameters(storage.slots, values, [shard.requires_grad for shard in storage.shard_params])
+                full += list(zip(storage.slots, params))
+            del flat
+        if not keep:
+            return {}
+        # (a packed weight left out takes its quantization state, which bitsandbytes writes beside it, along)
+        left_out = {name for slot, _ in full if slot.names[0] in skip for name in slot.names}
+        packed_out = tuple(f"{name}." for slot, _ in full if getattr(slot, "quant", None) is not None
+                           and slot.names[0] in skip for name in slot.names)
+        with registered(full), runtime.plain_state_dict():
+            state = runtime.root.state_dict()
+        return {k: v.detach().cpu() if isinstance(v, Tensor) else v for k, v in state.items()
+                if k not in left_out and not (packed_out and k.startswith(packed_out))}
 
 
 @contextmanager

@@ -14,18 +14,21 @@ from torch import nn
 
 from lightning_shard.checkpoint import conversion, hf
 from lightning_shard.checkpoint.files import CheckpointError
-from lightning_shard.checkpoint.sources import ADAPTER_CONFIG, RenamedSource, open_weights
+from lightning_shard.checkpoint.from_pretrained import built, loaded_dtypes
+from lightning_shard.checkpoint.peft_meta import magnitudes_from_base
+from lightning_shard.checkpoint.sources import ADAPTER_CONFIG, RenamedSource, RoundedSource, open_weights
 from lightning_shard.checkpoint.weights import load_into
 from lightning_shard.engine.shard_module import sharded_root_of
 
 
-def load_pretrained(module: nn.Module, path: Union[str, Path], strict: bool = True, prefix: Optional[str] = None,
-                    adapter: Optional[str] = None) -> tuple[list[str], list[str]]:
+def load_pretrained(module: nn.Module, path: Optional[Union[str, Path]] = None, strict: bool = True,
+                    prefix: Optional[str] = None, adapter: Optional[str] = None) -> tuple[list[str], list[str]]:
     """Load weights into ``module``, sharded (by ``ShardStrategy`` or ``shard_module``) or not.
 
     ``path``: a ``.safetensors`` file, a torch file of a state dict, a Hugging Face model folder (what
     ``save_pretrained`` writes: ``model.safetensors``, or ``model.safetensors.index.json`` and its shards) or a
-    peft adapter folder (``adapter_config.json`` and ``adapter_model.safetensors``).
+    peft adapter folder (``adapter_config.json`` and ``adapter_model.safetensors``). None: the folder of each model
+    in ``module`` built by ``lightning_shard.from_pretrained`` (which ``ShardStrategy`` loads at setup itself).
 
     Names: ``prefix`` + the file's. By default the prefix is where the Hugging Face or peft model sits in
     ``module`` (``"model."`` for a LightningModule's ``self.model``), or none, whichever matches more of the
@@ -39,6 +42,8 @@ def load_pretrained(module: nn.Module, path: Union[str, Path], strict: bool = Tr
     With Lightning, call it in ``on_fit_start`` (the model is sharded then, and ``fit(ckpt_path=...)`` restores
     after it).
     """
+    if path is None:
+        return _load_built(module, strict)
     path = Path(path)
     if next(module.parameters(), None) is None:
         raise CheckpointError(f"load_pretrained: {type(module).__name__} has no parameters yet (is it built in"
@@ -58,7 +63,8 @@ def load_pretrained(module: nn.Module, path: Union[str, Path], strict: bool = Tr
                                       " model (`peft.get_peft_model`), and the module holds none"
                                       f"{'' if prefix is None else f' at prefix {prefix!r}'}.")
         # each candidate's view of the files: under its names as transformers converts them (fused experts)
-        views = {p: source if adapter_folder else conversion.as_model_names(source, _at(module, p)) for p in candidates}
+        views = {p: source if adapter_folder else _as_loaded(conversion.as_model_names(source, _at(module, p)),
+                                                               _at(module, p)) for p in candidates}
         mappings = [(p, *_model_names(module, p, sorted(views[p].names()), in_model, adapter_folder, adapter))
                     for p in candidates]
         matched = [len(in_model.intersection(m[1])) for m in mappings]
@@ -78,6 +84,8 @@ def load_pretrained(module: nn.Module, path: Union[str, Path], strict: bool = Tr
             missing = [name[len(at):] for name in missing]  # (load_into's are the root's names, under `at`)
         else:
             missing, unexpected = _load_unsharded(module, source, strict, not_expected)
+        if not any("lora_magnitude_vector" in name for name in source.names()):  # a base: DoRA's magnitudes from it
+            magnitudes_from_base(_at(module, prefix), runtime)
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     fresh = _outside_base(module, prefix) if prefix in _base_models(module) else []
     if fresh and rank0:
@@ -88,6 +96,29 @@ def load_pretrained(module: nn.Module, path: Union[str, Path], strict: bool = Tr
                       f" not in the files {missing[:8]}, {len(unexpected)} in the files not in the module"
                       f" {unexpected[:8]}.")
     return missing, unexpected
+
+
+def _load_built(module: nn.Module, strict: bool) -> tuple[list[str], list[str]]:
+    """Each model built by ``from_pretrained`` in ``module``, from its folder."""
+    models = built(module)
+    if not models:
+        raise CheckpointError(f"load_pretrained: no path given, and {type(module).__name__} holds no model built by"
+                              " lightning_shard.from_pretrained: give the weights' path.")
+    missing: list[str] = []
+    unexpected: list[str] = []
+    for prefix, _, record in models:
+        found = load_pretrained(module, record.path, strict=strict, prefix=prefix)
+        missing += found[0]
+        unexpected += found[1]
+    return missing, unexpected
+
+
+def _as_loaded(source: object, model: nn.Module) -> object:
+    """A model built by ``from_pretrained`` takes each weight as transformers' ``from_pretrained`` loads it:
+    rounded to the dtype it was built in first (bf16), then to the model's (float32 after peft's
+    ``prepare_model_for_kbit_training``)."""
+    dtypes = loaded_dtypes(model)
+    return RoundedSource(source, dtypes) if dtypes else source
 
 
 def _model_names(module: nn.Module, prefix: str, names: list[str], in_model: set[str], adapter_folder: bool,

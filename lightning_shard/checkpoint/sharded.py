@@ -19,7 +19,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator, Mapping
 from collections.abc import Set as AbstractSet
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -73,9 +73,10 @@ def _buffers(runtime: ShardRuntime) -> dict[str, Tensor]:
 
 # -- model ------------------------------------------------------------------------------------------
 def model_state(runtime: ShardRuntime, skip: AbstractSet[str] = frozenset(),
-                average: Optional[AveragedShards] = None) -> dict[str, Any]:
+                average: Optional[AveragedShards] = None, to_load: bool = False) -> dict[str, Any]:
     """This rank's part of the model state by parameter and buffer name, as DCP items (views, no copies); the
-    parameters named in ``skip`` left out. ``average``: the state of that average of the model's weights instead."""
+    parameters named in ``skip`` left out. ``average``: the state of that average of the model's weights instead.
+    The buffers: rank 0's, copied, to save (each rank keeps its own: ``rank0_buffers``); the module's, ``to_load``."""
     items: dict[str, Any] = {}
     runtime.adopt_rebound_shards()
     with _quiet():
@@ -88,12 +89,10 @@ def model_state(runtime: ShardRuntime, skip: AbstractSet[str] = frozenset(),
                 view = _view(runtime, storage, slot, local)
                 if view is not None:
                     items.update({name: view for name in slot.names})
-    if average is None:
-        runtime.sync_buffers()  # DCP writes a replicated item from any one rank: make them all rank 0's
+    if to_load:  # (DCP loads into them)
         items.update(_buffers(runtime))
-    else:
-        with average.swapped(shards=False):  # its buffers under their state-dict keys (hooks and all), rank 0's
-            runtime.sync_buffers()
+    else:  # DCP writes a replicated item from any one rank: every rank's is rank 0's
+        with nullcontext() if average is None else average.swapped(shards=False), runtime.rank0_buffers():
             items.update({k: v.clone() if isinstance(v, Tensor) else v for k, v in _buffers(runtime).items()})
     order = {name: i for i, name in enumerate(_state_order(runtime.root))}  # the unsharded module's key order
     return dict(sorted(items.items(), key=lambda item: order.get(item[0], len(order))))
@@ -170,7 +169,7 @@ def load_model_state(runtime: ShardRuntime, directory: Path, metadata: Metadata,
     check_model_matches(metadata, runtime, directory, strict, absent, prefix, names)
     if names is None:
         names = {k[len(prefix):]: k[len(prefix):] for k in metadata.state_dict_metadata if k.startswith(prefix)}
-    items = {prefix + names[k]: v for k, v in model_state(runtime).items() if k in names}
+    items = {prefix + names[k]: v for k, v in model_state(runtime, to_load=True).items() if k in names}
     _load(items, directory)
     runtime.refresh_gathered()
 

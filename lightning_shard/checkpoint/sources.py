@@ -131,6 +131,34 @@ class RenamedSource:
         return self.source.value(self.renamed[name])
 
 
+class RoundedSource:
+    """``source`` with some names' floating values rounded to a dtype first (``rounded``: name -> dtype), as
+    ``from_pretrained`` loads a weight into a bf16 model before anything casts it on."""
+
+    def __init__(self, source: Any, rounded: Mapping[str, torch.dtype]) -> None:
+        self.source, self.rounded = source, dict(rounded)
+        self.metadata = source.metadata
+
+    def names(self) -> set[str]:
+        return self.source.names()
+
+    def shape(self, name: str) -> torch.Size:
+        return self.source.shape(name)
+
+    def read(self, name: str, lo: int, hi: int) -> Tensor:
+        return self._rounded(name, self.source.read(name, lo, hi))
+
+    def whole(self, name: str) -> Tensor:
+        return self._rounded(name, self.source.whole(name))
+
+    def value(self, name: str) -> Any:
+        return self.source.value(name)
+
+    def _rounded(self, name: str, value: Tensor) -> Tensor:
+        dtype = self.rounded.get(name)
+        return value.to(dtype) if dtype is not None and value.is_floating_point() else value
+
+
 ADAPTER_CONFIG = "adapter_config.json"
 _MODEL_FILES = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json", "pytorch_model.bin")
 _ADAPTER_FILES = ("adapter_model.safetensors", "adapter_model.bin")

@@ -11,10 +11,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.nn.parameter import is_lazy
-from torch.nn.utils import prune
 
 from lightning_shard.engine.comm.groups import build_groups, validate_shard_size, validate_sharding
+from lightning_shard.engine.plan.gathers import GatherDtypes, validate_cast_params
 from lightning_shard.engine.plan.materialize import Materializer
 from lightning_shard.engine.plan.plan import (
     UnitPlan,
@@ -42,7 +41,15 @@ from lightning_shard.engine.storage.flat_shard import FlatShard, ParamSlot
 from lightning_shard.engine.storage.mixed_layout import flatten_mixed, is_mixed
 from lightning_shard.engine.storage.mixed_shard import HostMixedShard, MixedShard
 from lightning_shard.engine.storage.offload import HostShard, validate_offload
-from lightning_shard.engine.storage.outside import TreeParameters, adopt
+from lightning_shard.engine.storage.outside import adopt
+from lightning_shard.engine.storage.refusals import (
+    refuse_aliased_parameters,
+    refuse_lazy,
+    refuse_mixed_devices,
+    refuse_pruned,
+    refuse_sharded_parts,
+    refuse_sparse_gradients,
+)
 from lightning_shard.engine.storage.unit import Unit
 
 
@@ -66,6 +73,7 @@ def shard_module(
     shard_size: Optional[int] = None,
     mesh: Optional[DeviceMesh] = None,
     offload: Optional[str] = None,
+    cast_params: str = "all",
 ) -> ShardRuntime:
     """Shard ``module``'s parameters across ``group`` and install the hooks that gather them on use.
 
@@ -77,7 +85,8 @@ def shard_module(
     of ``shard_size`` consecutive ranks (default: LOCAL_WORLD_SIZE, the devices per node), replicated across
     them; or over the given 2-D ``mesh`` (replicate, shard) (engine/comm/groups.py). ``offload="optimizer"`` or
     ``"params"``: the master shards, their gradients and the optimizer state in host memory, stepped by the CPU
-    (engine/storage/offload.py).
+    (engine/storage/offload.py). ``cast_params``: which parameters are gathered in ``param_dtype``, every floating
+    one or (``"autocast"``) those autocast would cast to it, the others in their own dtype (engine/plan/gathers.py).
     """
     validate_sharding(sharding)
     offload = validate_offload(offload)
@@ -88,27 +97,30 @@ def shard_module(
     refuse_with_elision(compile_options, elide_backward_gathers)
     activation_checkpointing = validate_activation_checkpointing(activation_checkpointing)
     min_unit_size = validate_min_unit_size(min_unit_size, unit_size)
+    cast_params = validate_cast_params(cast_params)
     options = {
         "sharding": sharding, "units": _spec_names(units), "unit_size": unit_size, "min_unit_size": min_unit_size,
         "param_dtype": param_dtype,
         "reduce_dtype": reduce_dtype, "buffer_dtype": buffer_dtype, "prefetch": prefetch, "nonfinite": nonfinite,
         "elide_backward_gathers": elide_backward_gathers,
         "activation_checkpointing": _spec_names(activation_checkpointing), "broadcast_buffers": broadcast_buffers,
-        "compile": compile_options, "shard_size": shard_size, "offload": offload,
+        "compile": compile_options, "shard_size": shard_size, "offload": offload, "cast_params": cast_params,
     }
     existing = getattr(module, "_shard_runtime", None)
     if existing is not None:
         _check_resharding(existing, options, group, device, mesh)
         return existing
-    _refuse_sharded_parts(module)  # (before any collective: every rank raises the same)
-    _refuse_lazy(module)
-    _refuse_pruned(module)
+    refuse_sharded_parts(module)  # (before any collective: every rank raises the same)
+    refuse_lazy(module)
+    refuse_pruned(module)
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank(group) if distributed else 0
     world = dist.get_world_size(group) if distributed else 1
 
-    _refuse_sparse_gradients(module)
+    refuse_sparse_gradients(module)
+    refuse_aliased_parameters(module)
     full_precision = full_precision_classes(param_dtype)
+    gathers = GatherDtypes(module, param_dtype, cast_params)
     plans = plan_units(module, units=units, unit_size=unit_size, min_unit_size=min_unit_size, own_units=full_precision)
     if world > 1:
         _check_ranks_agree(plans, group)
@@ -137,10 +149,14 @@ def shard_module(
         is_root = plan.members == [""]
         members = [module.get_submodule(name) for name in plan.members]
         computes_in = None if not is_root and all(isinstance(m, full_precision) for m in members) else param_dtype
-        _refuse_mixed_devices(plan)
-        mixed = is_mixed(plan)
-        slots, flat = (flatten_mixed(module, plan, computes_in, _fqn, groups.shard_size, trainable_loads) if mixed
-                       else _flatten(module, plan))
+        refuse_mixed_devices(plan)
+        unit_gathers = gathers.for_unit([p for p, _ in plan.params])
+        mixed = is_mixed(plan, unit_gathers if computes_in is not None else None)
+        if not mixed and computes_in is not None:  # one gather dtype: the parameters' own where autocast casts none
+            first, locations = plan.params[0]
+            computes_in = None if unit_gathers.of(first, locations) == first.dtype else computes_in
+        slots, flat = (flatten_mixed(module, plan, computes_in, _fqn, groups.shard_size, trainable_loads, unit_gathers)
+                       if mixed else _flatten(module, plan))
         for slot in slots.slots if mixed else slots:
             for owner, _ in slot.locations:
                 adopt(owner)  # before the storage records the dict its parameters are registered in
@@ -282,70 +298,6 @@ def _flatten(root: nn.Module, plan: UnitPlan) -> tuple[list[ParamSlot], torch.Te
         pieces.append(param.detach().reshape(-1))
         offset += param.numel()
     return slots, torch.cat(pieces)
-
-
-def _refuse_sharded_parts(root: nn.Module) -> None:
-    """A parameter is sharded once, by one runtime: sharding a model whose submodule was sharded (or that shares a
-    submodule with another sharded model) would flatten that runtime's 1-D shards as if they were the parameters, and
-    two runtimes would gather and step the same tensors (silently wrong, or a shape error)."""
-    runtimes = [name for name, m in root.named_modules() if name and getattr(m, "_shard_runtime", None) is not None]
-    if runtimes:
-        raise ValueError(
-            f"lightning_shard: submodules {runtimes[:4]} of this model are sharded already (by an earlier shard_module"
-            " call): each parameter is sharded once, by one runtime. Shard the whole model once (its submodules"
-            " become units: name their classes in `units=`), on a model none of whose parts was sharded.")
-    held = [_fqn(name, attr) for name, m in root.named_modules()
-            if isinstance(m.__dict__.get("_parameters"), TreeParameters) for attr in m._parameters]
-    if held:
-        raise ValueError(
-            f"lightning_shard: parameters {held[:4]} are sharded already, by the runtime of another model this one"
-            " shares modules with: each parameter is sharded once, by one runtime. Shard one model holding every"
-            " part (a module with both as submodules), or give each model its own copy of the shared module.")
-
-
-def _refuse_lazy(root: nn.Module) -> None:
-    """A lazy module (``nn.LazyLinear`` ...) has no shape until its first forward: nothing to flatten or shard."""
-    lazy = [name or "<root>" for name, m in root.named_modules()
-            if any(is_lazy(t) for t in (*m._parameters.values(), *m._buffers.values()) if t is not None)]
-    if lazy:
-        raise ValueError(
-            f"lightning_shard: {lazy[:4]} are lazy modules not initialised yet (`nn.LazyLinear` and the like get their"
-            " shapes at their first forward), so their parameters have no shape to shard. Run one forward on a"
-            " sample batch before sharding (with Lightning: in the LightningModule's `setup()`), or give the layers"
-            " their input sizes (`nn.Linear(in_features, out_features)`).")
-
-
-def _refuse_pruned(root: nn.Module) -> None:
-    """torch.nn.utils.prune keeps ``weight_orig``, a full-size ``weight_mask`` buffer, and a forward pre-hook that
-    computes ``weight`` from them: sharded, ``weight_orig`` would be a 1-D shard the hook multiplies by the mask."""
-    pruned = [_fqn(name, hook._tensor_name) for name, m in root.named_modules()
-              for hook in m._forward_pre_hooks.values() if isinstance(hook, prune.BasePruningMethod)]
-    if pruned:
-        raise ValueError(
-            f"lightning_shard: {pruned[:4]} carry torch.nn.utils.prune reparametrizations (`*_orig` times a `*_mask`"
-            " buffer, recomputed before each forward), which sharding would apply to 1-D shards. Make them permanent"
-            " before sharding (`torch.nn.utils.prune.remove(module, name)`: the pruned weights become ordinary"
-            " weights, whose zeros training may change), or prune the consolidated model after training.")
-
-
-def _refuse_mixed_devices(plan: UnitPlan) -> None:
-    """A unit's parameters share its buffers: they must be on one device (dtypes may differ: mixed_layout.py)."""
-    devices = {p.device for p, _ in plan.params}
-    if len(devices) > 1:
-        names = [_fqn(*locs[0]) for _, locs in plan.params]
-        raise ValueError(f"Unit {plan.name!r} mixes devices {sorted(map(str, devices))} among its parameters {names};"
-                         " give these modules one device before sharding.")
-
-
-def _refuse_sparse_gradients(root: nn.Module) -> None:
-    """``nn.Embedding(sparse=True)`` (and ``EmbeddingBag``) make sparse gradients, which no flat buffer holds and no
-    reduce-scatter sums (FSDP and DeepSpeed refuse them too): refused at setup, naming the modules."""
-    sparse = [name or "<root>" for name, m in root.named_modules() if getattr(m, "sparse", False) is True
-              and isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
-    if sparse:
-        raise ValueError(f"lightning_shard: {sparse} make sparse gradients (`sparse=True`), which cannot be sharded"
-                         " or reduce-scattered: build them with sparse=False (the default), whose dense gradients"
-                         " any torch.optim optimizer takes.")
 
 
 def _first_real_device(module: nn.Module) -> torch.device:

@@ -166,11 +166,11 @@ class CheckpointState:
                 save_sharded(checkpoint, path, group=None)
             if not self._told_how_to_load:
                 self._told_how_to_load = True
-                example = shlex.quote(str(path.parent / "NAME.ckpt"))  # this one may be rotated away later
                 rank_zero_info(f"lightning_shard: checkpoints are sharded directories (one file per rank, resumable"
-                               f" on any number of ranks). For one process: `python -m lightning_shard.consolidate"
-                               f" {example}` (e.g. the best_model_path of your ModelCheckpoint), then"
-                               f" `YourLightningModule.load_from_checkpoint(...)` on the file it writes; or"
+                               f" on any number of ranks). For one process, `python -m lightning_shard.consolidate"
+                               f" {shlex.quote(str(path))}` (the one just written, or any later one: your"
+                               f" ModelCheckpoint's best_model_path) writes one file for"
+                               f" `YourLightningModule.load_from_checkpoint(...)`; or"
                                f" `ShardStrategy(state_dict_type='full')`.")
         elif self.is_global_zero:
             save_full(checkpoint, path, self.checkpoint_io, storage_options)

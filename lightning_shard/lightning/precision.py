@@ -4,8 +4,8 @@ whose overflow check agrees across ranks (torch's ``ShardedGradScaler``), and no
 | precision    | master shards, optimizer state | gathers and compute           | gradient reduction |
 |--------------|--------------------------------|-------------------------------|--------------------|
 | "32-true"    | fp32                           | fp32                          | fp32               |
-| "bf16-mixed" | fp32                           | bf16 (autocast for the ops)   | fp32               |
-| "16-mixed"   | fp32                           | fp16 (autocast), scaled loss  | fp32               |
+| "bf16-mixed" | fp32                           | bf16 (cast_params="auto")     | fp32               |
+| "16-mixed"   | fp32                           | fp16 (auto), scaled loss      | fp32               |
 | "bf16-true"  | bf16 (no fp32 copy anywhere)   | bf16                          | bf16               |
 
 ``bf16-true`` holds half the memory of ``bf16-mixed`` (no fp32 masters) at the price of bf16 updates.
@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.optim import Optimizer
 
+from lightning_shard.engine.plan.gathers import validate_cast_params
 from lightning_shard.engine.runtime.backward_watch import explain_freed_parameters
 
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
@@ -42,11 +43,18 @@ class MixedPrecision:
         param_dtype: dtype of the all-gather and of the parameters the modules compute with.
         reduce_dtype: dtype in which gradients are reduced across ranks (fp32 masters: fp32 by default).
         buffer_dtype: dtype buffers (e.g. BatchNorm statistics) are cast to at setup.
+        cast_params: which parameters are gathered in ``param_dtype``: ``"all"`` floating ones (FSDP's mixed
+            precision), or ``"autocast"``: those autocast casts to it anyway (linear, convolution weights and biases),
+            the others (embeddings, norms) in their own dtype, so that a forward under autocast is DDP's, bit for
+            bit; ``"auto"``: ``"autocast"`` in the units where it costs nothing (LoRA, QLoRA, a frozen base), ``"all"``
+            in those that train whole (engine/plan/gathers.py). ``precision="bf16-mixed"`` and ``"16-mixed"`` take
+            ``"auto"``.
     """
 
     param_dtype: Optional[torch.dtype] = None
     reduce_dtype: Optional[torch.dtype] = None
     buffer_dtype: Optional[torch.dtype] = None
+    cast_params: str = "all"
 
 
 def validate_mixed_precision(policy: object) -> Optional[MixedPrecision]:
@@ -58,6 +66,7 @@ def validate_mixed_precision(policy: object) -> Optional[MixedPrecision]:
         dtype = getattr(policy, field)
         if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
             raise ValueError(f"`MixedPrecision.{field}` must be a floating torch.dtype or None, got {dtype!r}.")
+    validate_cast_params(policy.cast_params)
     return policy
 
 
@@ -76,8 +85,8 @@ def sharded_like(scaler: torch.amp.GradScaler, device: str) -> ShardedGradScaler
 
 _POLICY = {
     "32-true": MixedPrecision(),
-    "bf16-mixed": MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
-    "16-mixed": MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float32),
+    "bf16-mixed": MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_params="auto"),
+    "16-mixed": MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float32, cast_params="auto"),
     "bf16-true": MixedPrecision(),  # the module itself is bf16: masters, gathers and reduction
 }
 _AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}

@@ -22,8 +22,15 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_debug, rank_zero_inf
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_shard.checkpoint.hf import init_peft_adapters
+from lightning_shard.checkpoint.from_pretrained import built
 from lightning_shard.checkpoint.io import validate_async_save, validate_state_dict_type
+from lightning_shard.checkpoint.peft_meta import (
+    forget_placeholders,
+    init_dora_magnitudes,
+    init_peft_adapters,
+    prepare_dora_on_meta,
+)
+from lightning_shard.checkpoint.pretrained import load_pretrained
 from lightning_shard.engine.comm.groups import validate_shard_size, validate_sharding
 from lightning_shard.engine.optim.optimizer_step import DEFAULT_STEP_GROUP_NUMEL
 from lightning_shard.engine.optim.optimizers import WHOLE, optimizer_kind
@@ -237,18 +244,26 @@ class ShardStrategy(ProcessGroupMixin, EvaluationHold, CheckpointState, Parallel
             self.model_to_device()
             policy = self.mixed_precision or self.precision_plugin.policy
             from_meta = any(p.is_meta for p in self.model.parameters())
+            placeholders = prepare_dora_on_meta(self.model) if from_meta else []
             self.runtime = shard_module(
                 self.model, sharding=self.sharding, units=self.units, unit_size=self.unit_size,
                 min_unit_size=self.min_unit_size, prefetch=self.prefetch,
                 param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype, buffer_dtype=policy.buffer_dtype,
+                cast_params=policy.cast_params,
                 nonfinite=self.nonfinite, device=self.root_device,
                 activation_checkpointing=self.activation_checkpointing,
                 elide_backward_gathers=self.elide_backward_gathers, broadcast_buffers=self.broadcast_buffers,
                 compile=False if self.compile is None else self.compile, offload=self.offload,
                 shard_size=(self.shard_size or self.num_processes) if self.sharding == "hybrid" else None,
             )
+            forget_placeholders(placeholders)
             if from_meta and init_peft_adapters(self.runtime):  # not the generic init materialising gave them
-                rank_zero_info("lightning_shard: the peft adapters built on the meta device got peft's own init.")
+                rank_zero_debug("lightning_shard: the peft adapters built on the meta device initialised as peft"
+                                " initialises them (init_lora_weights), not by their layers' generic init.")
+            if built(self.model):  # models from lightning_shard.from_pretrained: their folders, now that they are sharded
+                load_pretrained(self.model)  # (DoRA's magnitudes from the base loaded: peft_meta.py)
+            elif placeholders:  # DoRA's magnitudes from the base as materialised (load_pretrained computes them again)
+                init_dora_magnitudes(self.runtime, self.model)
             rank_zero_info(plan_summary(self.runtime, self.sharding, self.world_size))
             rank_zero_debug("lightning_shard units:\n" + plan_listing(self.runtime))
         self.runtime.apply_checks = [partial(refuse_other_strategies, self.model, ShardStrategy)]

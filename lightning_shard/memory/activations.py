@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from lightning_shard.engine.plan.gathers import GatherDtypes
 from lightning_shard.engine.plan.plan import plan_units
 from lightning_shard.engine.runtime.activation_checkpointing import checkpoint_targets, wrap_forward
 from lightning_shard.memory.tracker import LiveBytes
@@ -21,10 +22,11 @@ from lightning_shard.memory.tracker import LiveBytes
 def activation_bytes(model: nn.Module, step: Callable[[nn.Module, Any], Tensor], batch: Any,
                      param_dtype: Optional[torch.dtype] = None, plans: Optional[list] = None,
                      activation_checkpointing: Any = False, device: Union[str, torch.device] = "cpu",
-                     autocast: Optional[torch.dtype] = None) -> int:
+                     autocast: Optional[torch.dtype] = None, gathers: Optional[GatherDtypes] = None) -> int:
     """Peak bytes above the parameters during one forward and backward, run on fake tensors of ``device`` (under
     ``torch.autocast`` with ``autocast`` as training runs it). Estimating for a GPU on a machine without CUDA, the
-    CPU's kernels stand in (a torch without CUDA cannot run CUDA ops even on fake tensors), with a warning."""
+    CPU's kernels stand in (a torch without CUDA cannot run CUDA ops even on fake tensors), with a warning.
+    ``gathers``: each parameter's gather dtype (the engine's), else ``param_dtype`` for every floating one."""
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         warnings.warn("lightning_shard: estimating for a GPU without CUDA here: activations measured with the CPU's"
@@ -32,7 +34,9 @@ def activation_bytes(model: nn.Module, step: Callable[[nn.Module, Any], Tensor],
                       stacklevel=3)
         device = torch.device("cpu")
     fake = FakeTensorMode()
-    shadow, fake_batch = fake_copy(model, batch, fake, device, param_dtype)
+    dtypes = gathers.by_parameter(plans if plans is not None else plan_units(model)) if gathers is not None else None
+    shadow, fake_batch = fake_copy(model, batch, fake, device, param_dtype, dtypes,
+                                   inputs_cast=gathers is None or gathers.cast_params == "all")
     if activation_checkpointing:
         plans = plans if plans is not None else plan_units(shadow)
         members = [[shadow.get_submodule(name) for name in plan.members] for plan in plans
@@ -62,21 +66,27 @@ def activation_bytes(model: nn.Module, step: Callable[[nn.Module, Any], Tensor],
 
 
 def fake_copy(model: nn.Module, batch: Any, fake: FakeTensorMode, device: torch.device,
-              dtype: Optional[torch.dtype] = None) -> tuple[nn.Module, Any]:
-    """``model`` and ``batch`` with every tensor replaced by a fake one on ``device`` (nothing is allocated)."""
+              dtype: Optional[torch.dtype] = None, gathered: Optional[dict[int, torch.dtype]] = None,
+              inputs_cast: bool = True) -> tuple[nn.Module, Any]:
+    """``model`` and ``batch`` with every tensor replaced by a fake one on ``device`` (nothing is allocated), floating
+    ones in ``dtype`` (a parameter in its gather dtype where ``gathered`` has it, by id; the inputs as they are unless
+    ``inputs_cast``: autocast casts them, as the engine leaves them)."""
     if getattr(model, "_shard_runtime", None) is not None:
         raise ValueError("estimate_memory takes the model before sharding (it is sharded already).")
 
-    def empty(t: Tensor) -> Tensor:
-        cast = dtype if dtype is not None and t.is_floating_point() else t.dtype
+    def empty(t: Tensor, as_dtype: Optional[torch.dtype] = dtype) -> Tensor:
+        cast = as_dtype if as_dtype is not None and t.is_floating_point() else t.dtype
         with fake:
             return torch.empty(t.shape, dtype=cast, device=device)
 
     memo: dict[int, Any] = {}
     for tensor in (*model.parameters(), *model.buffers()):
         if id(tensor) not in memo:
-            memo[id(tensor)] = nn.Parameter(empty(tensor), tensor.requires_grad) if isinstance(
-                tensor, nn.Parameter) else empty(tensor)
+            if not isinstance(tensor, nn.Parameter):
+                memo[id(tensor)] = empty(tensor)
+                continue
+            as_dtype = gathered.get(id(tensor), dtype) if gathered is not None else dtype
+            memo[id(tensor)] = nn.Parameter(empty(tensor, as_dtype), tensor.requires_grad)
     shadow = copy.deepcopy(model, memo)
     for original, module in zip(model.modules(), shadow.modules()):  # 4-bit layers: their memory on plain fakes
         if type(module).__name__ == "Linear4bit" and type(module).__module__.startswith("bitsandbytes"):
@@ -85,7 +95,8 @@ def fake_copy(model: nn.Module, batch: Any, fake: FakeTensorMode, device: torch.
                 module.weight = nn.Parameter(torch.empty(state.shape if state is not None else original.weight.shape,
                                                          device=device), requires_grad=False)
             module.forward = _FourBitLinear(module)
-    return shadow, tree_map(lambda x: empty(x) if isinstance(x, Tensor) else x, batch)
+    inputs = dtype if inputs_cast else None
+    return shadow, tree_map(lambda x: empty(x, inputs) if isinstance(x, Tensor) else x, batch)
 
 
 class _FourBitLinear:

@@ -48,6 +48,7 @@ from lightning_shard.engine.comm.groups import validate_shard_size, validate_sha
 from lightning_shard.engine.optim.fused_default import FusedWhereUnchosen, fused_by_default
 from lightning_shard.engine.optim.host_optimizer import host_step_fused
 from lightning_shard.engine.optim.optimizer_step import DEFAULT_STEP_GROUP_NUMEL
+from lightning_shard.engine.plan.gathers import GatherDtypes
 from lightning_shard.engine.plan.plan import UnitSpec, full_precision_classes, plan_units
 from lightning_shard.engine.runtime.activation_checkpointing import CheckpointSpec, validate_activation_checkpointing
 from lightning_shard.engine.storage.offload import validate_offload
@@ -146,6 +147,7 @@ def estimate_memory(
     accumulate_grad_batches: int = 1,
     reduce_during_accumulation: bool = True,
     async_save: bool = False,
+    cast_params: str = "all",
 ) -> MemoryEstimate:
     """Predict one rank's peak memory for training ``model`` sharded over ``world_size`` ranks (under
     ``sharding="hybrid"``, over groups of ``shard_size``: the replicas add no memory).
@@ -160,7 +162,8 @@ def estimate_memory(
     ``autocast``: the dtype ``step`` runs under ``torch.autocast`` in training (Lightning's mixed precisions).
     ``zero_grad_before_backward``: gradients are cleared between a step's forward and its backward, as Lightning's
     automatic optimization does (the last step's are alive through the forward); ``False``: after the optimizer step.
-    ``accumulate_grad_batches``, ``reduce_during_accumulation``: the Trainer's and the strategy's.
+    ``accumulate_grad_batches``, ``reduce_during_accumulation``: the Trainer's and the strategy's. ``cast_params``:
+    which parameters gather in ``param_dtype`` (the precision's policy: ``"autocast"`` under bf16-mixed).
     ``async_save``: the strategy's; its checkpoint staging is counted in ``host``.
     """
     validate_sharding(sharding)
@@ -180,9 +183,10 @@ def estimate_memory(
     master = master_dtype or next((p.dtype for p in params if p.requires_grad), params[0].dtype if params
                                   else torch.float32)
     ranks = {"none": 1, "hybrid": shard_size}.get(sharding, world_size)
-    sizes = planned_sizes(model, plans, ranks, param_dtype, master_dtype)
+    sizes = planned_sizes(model, plans, ranks, param_dtype, master_dtype, cast_params)
+    gathers = GatherDtypes(model, param_dtype, cast_params) if param_dtype is not None else None
     param_dtype = param_dtype or master
-    activations = (activation_bytes(model, step, batch, param_dtype, plans, spec, device, autocast)
+    activations = (activation_bytes(model, step, batch, param_dtype, plans, spec, device, autocast, gathers)
                    if step is not None else 0)
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     profile = optimizer_profile(optimizer, master, whole, "cpu" if offload else device, host_step=offload is not None)

@@ -12,6 +12,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from lightning_shard.engine.plan.gathers import GatherDtypes
 from lightning_shard.engine.storage.mixed_layout import MixedSlot, is_mixed, master_layout, mixed_slots, part, place
 from lightning_shard.engine.storage.mixed_shard import MixedShard
 
@@ -67,21 +68,25 @@ def _busiest(layouts: list[tuple[list[MixedSlot], int]], ranks: int) -> int:
 
 
 def planned_sizes(model: nn.Module, plans: list[Any], ranks: int, param_dtype: Optional[torch.dtype],
-                  master_dtype: Optional[torch.dtype]) -> list[UnitSize]:
+                  master_dtype: Optional[torch.dtype], cast_params: str = "all") -> list[UnitSize]:
     """From the planner's units of a model not sharded yet (any device, the meta one included). ``master_dtype``: the
-    shards' dtype where the model will be converted to it before sharding (Lightning's ``bf16-true``)."""
+    shards' dtype where the model will be converted to it before sharding (Lightning's ``bf16-true``);
+    ``cast_params``: which parameters gather in ``param_dtype`` (engine/plan/gathers.py)."""
     sizes, loads, mixed = [], [0] * ranks, {}
+    gathers = GatherDtypes(model, param_dtype, cast_params)
     for i, plan in enumerate(plans):
         if not plan.numel():
             continue
         params = [p for p, _ in plan.params]
-        if is_mixed(plan) and master_dtype is None:
-            slots, _ = mixed_slots(model, plan, param_dtype, lambda m, a: f"{m}.{a}" if m else a)
+        unit_gathers = gathers.for_unit(params)
+        if is_mixed(plan, unit_gathers) and master_dtype is None:
+            slots, _ = mixed_slots(model, plan, param_dtype, lambda m, a: f"{m}.{a}" if m else a, unit_gathers)
             layout = place(slots, ranks, loads)
             mixed[i] = (layout.slots, layout.shard_nbytes)
             continue
         master = master_dtype or params[0].dtype
-        compute = param_dtype if param_dtype is not None and master.is_floating_point else master
+        lowered = param_dtype if unit_gathers.of(*plan.params[0]) != params[0].dtype else None
+        compute = lowered if lowered is not None and master.is_floating_point else master
         trainable = [p.numel() for p in params if p.requires_grad]
         sizes.append((i, uniform_size(plan.numel(), ranks, plan.members == [""], max(trainable, default=0),
                                       sum(trainable), master, compute)))

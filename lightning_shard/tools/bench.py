@@ -188,6 +188,7 @@ def _estimate_with_activations(name: str, args, world: int, precision: str) -> f
     estimate = estimate_memory(
         module, world, sharding="full" if offload else name.removeprefix("shard_"), offload=offload,
         param_dtype=ShardPrecision(precision).policy.param_dtype, autocast=ShardPrecision(precision).autocast_dtype,
+        cast_params=ShardPrecision(precision).policy.cast_params,
         zero_grad_before_backward=False,  # the strategy frees them after each step
         optimizer=torch.optim.AdamW, step=lambda m, b: m._loss(b), batch=next(iter(_data(args, world))),
         device=args.device, shard_size=args.shard_size if name == "shard_hybrid" else None,

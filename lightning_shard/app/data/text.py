@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from pathlib import Path
 
 import lightning as L
 import torch
@@ -28,6 +29,18 @@ def stdlib_docs_text() -> str:
             if not attr.startswith("_") and getattr(member, "__module__", None) == module.__name__:
                 parts.append(inspect.getdoc(member) or "")
     return "\n\n".join(p for p in parts if p)
+
+
+def token_ids(folder: Path, vocab_size: int) -> torch.Tensor:
+    """The text as a Hugging Face model's tokens: its folder's tokenizer, or bytes (a folder without one, as the
+    examples' tiny Llama, whose vocabulary is the 256 bytes)."""
+    text = stdlib_docs_text()
+    try:
+        from transformers import AutoTokenizer
+
+        return torch.tensor(AutoTokenizer.from_pretrained(folder)(text).input_ids)
+    except (OSError, ValueError):  # no tokenizer in the folder
+        return torch.tensor(list(text.encode()), dtype=torch.long) % vocab_size
 
 
 class CharChunks(Dataset):

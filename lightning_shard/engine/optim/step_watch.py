@@ -2,10 +2,13 @@
 step, a raw ``optimizer.step()``, a gradient scaler's ``step``. One global optimizer step pre-hook per runtime
 (torch's ``register_optimizer_step_pre_hook``): an optimizer the engine was never told of is seen too.
 
+And where gradients are sharded, a ``torch.amp.GradScaler``'s ``unscale_`` of such an optimizer agrees across ranks
+on whether it found an inf: each rank checks only its own gradient shard, so one rank would skip the step while
+another takes it, and their scales part ways (FSDP2's DTensor gradients all-reduce ``found_inf`` alike;
+``ShardedGradScaler`` does it in its own ``unscale_``). One tiny all-reduce per ``unscale_``, which every rank calls.
+
 Before the step:
 
-* a ``torch.amp.GradScaler`` stepping it is refused where gradients are sharded: each rank checks only its own shard
-  for infs, so one rank steps while another skips, and their scales part ways (``ShardedGradScaler`` agrees);
 * gathered copies that user code could write (a weight constraint in ``on_before_zero_grad``, after a manual
   step) are written back to the shards, so the step updates what the model holds (``FlatShard.write_back``);
 * the ``nonfinite`` policy: a step whose gradient shards are not finite on some rank is skipped on every rank (or
@@ -16,7 +19,6 @@ Before the step:
 
 from __future__ import annotations
 
-import sys
 import weakref
 from typing import Any, Callable, Optional
 
@@ -25,8 +27,10 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.optim import Optimizer
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-# the frames of torch.amp.GradScaler that call `optimizer.step()` (ShardedGradScaler inherits them)
-_SCALER_STEPS = (torch.amp.GradScaler.step.__code__, torch.amp.GradScaler._maybe_opt_step.__code__)
+from lightning_shard.engine.comm import collectives
+
+_WATCHES: "weakref.WeakSet[StepWatch]" = weakref.WeakSet()  # every runtime's, for the gradient scaler's agreement
+_PLAIN_UNSCALE = torch.amp.GradScaler._unscale_grads_
 
 
 class StepWatch:
@@ -39,6 +43,9 @@ class StepWatch:
         self._sharded = any(unit.storage.world_size > 1 for unit in runtime.units)
         self.handle = register_optimizer_step_pre_hook(self._before_step)
         weakref.finalize(runtime, self.handle.remove)
+        if self._sharded:
+            _WATCHES.add(self)
+            torch.amp.GradScaler._unscale_grads_ = _unscale_grads_agreed
 
     def _steps_ours(self, optimizer: Optimizer) -> bool:
         return any(id(p) in self._ours for group in optimizer.param_groups for p in group["params"])
@@ -52,8 +59,6 @@ class StepWatch:
             # class's step): the sharded step ran this once for the whole step, on the host's thread; here it would
             # agree on the gradients (a collective) from the worker's thread, in any order with the host's
             return None
-        if self._sharded:
-            _refuse_plain_grad_scaler(optimizer)
         for unit in runtime.units:  # what code wrote into gathered copies (a constraint inside a step): stepped on
             runtime.schedule.write_back(unit)
         if runtime.nonfinite is None:
@@ -78,20 +83,22 @@ def _checked(closure: Callable[[], Any], check: Callable[[], None]) -> Callable[
     return closure_then_check
 
 
-def _refuse_plain_grad_scaler(optimizer: Optimizer, depth: int = 8) -> None:
-    frame = sys._getframe(2)
-    for _ in range(depth):
-        if frame is None:
-            return
-        if frame.f_code in _SCALER_STEPS:
-            scaler = frame.f_locals.get("self")
-            if (isinstance(scaler, torch.amp.GradScaler) and not isinstance(scaler, ShardedGradScaler)
-                    and scaler.is_enabled()):
-                raise RuntimeError(
-                    f"lightning_shard: a {type(scaler).__module__}.{type(scaler).__name__} steps"
-                    f" {type(optimizer).__name__} over sharded gradients: it checks only this rank's gradient shard"
-                    " for infs, so one rank steps while another skips, and their scales part ways. Use"
-                    " torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler (the same arguments), which"
-                    " agrees across ranks; with Lightning, precision='16-mixed' uses it already.")
-            return
-        frame = frame.f_back
+def _unscale_grads_agreed(scaler: torch.amp.GradScaler, optimizer: Optimizer, inv_scale: torch.Tensor,
+                          found_inf: torch.Tensor, allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
+    """``GradScaler._unscale_grads_``, then, for an optimizer over sharded gradients, whether any rank found an inf:
+    the same answer on every rank (a rank holding no gradient at all gets it too, or its ``update()`` would find no
+    inf check recorded)."""
+    per_device = _PLAIN_UNSCALE(scaler, optimizer, inv_scale, found_inf, allow_fp16)
+    runtime = next((w._runtime() for w in list(_WATCHES) if w._runtime() is not None and w._steps_ours(optimizer)),
+                   None)
+    if runtime is None or isinstance(scaler, ShardedGradScaler):  # (which agrees in its own unscale_)
+        return per_device
+    local = torch.zeros(1, dtype=torch.float32)
+    for value in per_device.values():
+        local = torch.maximum(local, value.detach().reshape(1).float().cpu())
+    agreed = collectives.agree(local, runtime.group, runtime.stats, label="agreement on the gradient scaler's infs")
+    for value in per_device.values():
+        value.copy_(agreed.reshape(()).to(value.device))
+    if not per_device:
+        per_device[found_inf.device] = agreed.reshape(()).to(found_inf.device)
+    return per_device

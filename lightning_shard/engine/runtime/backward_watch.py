@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from lightning_shard.engine.runtime.reduce import GradientReducer
-from lightning_shard.engine.runtime.trees import leaves
+from lightning_shard.engine.runtime.trees import output_leaves
 from lightning_shard.engine.storage.unit import Unit
 
 _GRAD = attrgetter("grad")
@@ -73,7 +73,7 @@ def watch_outputs(output: Any, on_begin: Callable[[Any], None], call_began: int 
     if isinstance(output, Tensor) and output.requires_grad and not output._is_view() and output.grad_fn is not None:
         output.grad_fn.register_prehook(on_begin)  # a block's usual output (runs when its gradient is complete)
         return True
-    flat = [output] if isinstance(output, Tensor) else leaves(output)
+    flat = [output] if isinstance(output, Tensor) else output_leaves(output)
     tensors = [_outlives_writes(x, call_began) for x in flat if isinstance(x, Tensor) and x.requires_grad]
     if len(tensors) == 1 and tensors[0].grad_fn is not None:
         tensors[0].grad_fn.register_prehook(on_begin)

@@ -13,6 +13,7 @@ written back when freed, as a step's are: gather.py.)"""
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Optional
@@ -57,17 +58,44 @@ class HeldUnits:
         self._buffers_stale = False
 
     @contextmanager
-    def keep_gathered(self, modifier_rank: Optional[int] = None) -> Iterator[None]:
+    def rank0_buffers(self, everywhere: bool = True) -> Iterator[None]:
+        """Rank 0's buffers in the module tree while the block runs (a checkpoint writes them; DCP from any one rank),
+        on every rank (``everywhere``) or on rank 0 alone. Every rank must enter it. With ``broadcast_buffers`` they are
+        made rank 0's in place, for good, as DDP's next forward would. Without, each rank's own come back after the
+        block: DDP's ``state_dict()`` reads the buffers and changes none, so each rank keeps its running statistics."""
+        if self.broadcast_buffers or self.world_size == 1:
+            self.sync_buffers()
+            yield
+            return
+        if not everywhere:  # rank 0's own are rank 0's
+            yield
+            return
+        owners = [(module, name, buffer) for module in self.root.modules()
+                  for name, buffer in module._buffers.items() if buffer is not None]
+        for module, name, buffer in owners:
+            module._buffers[name] = buffer.clone()
+        try:
+            self.sync_buffers()
+            yield
+        finally:
+            for module, name, buffer in owners:
+                module._buffers[name] = buffer
+
+    @contextmanager
+    def keep_gathered(self, modifier_rank: Optional[int] = None, units: Optional[list[Unit]] = None) -> Iterator[None]:
         """Hold every unit gathered for a whole evaluation or generation loop. Every rank must enter (one
         all-gather per unit); inside, forwards run no collective at all, so ranks may run different numbers of
         them (generate to different lengths) without waiting for one another. Forwards without gradients only.
         It costs :meth:`held_bytes` for as long as it lasts: the whole model's parameters in the gather dtype.
 
-        Writes to the parameters inside are kept with ``modifier_rank`` (a rank of the runtime's group): that rank's
+        Writes to the parameters inside (in place, ``p.data = t``, or another Parameter object of the same shape and
+        dtype in a parameter's place: peft's ``merge_adapter()``) are kept with ``modifier_rank`` (a rank of the runtime's group): that rank's
         values are written back into the shards on exit (one broadcast per unit), on every rank; computing in a
         lower dtype, only the elements it wrote change their masters. Without it a write is an error on exit, on
         every rank, naming the parameters (their version counters, and each rank's part of the buffers compared with
-        its shard; one tiny all-reduce). Leaving by an exception runs no collective: writes are then lost."""
+        its shard; one tiny all-reduce). Leaving by an exception runs no collective: writes are then lost. ``units``:
+        only these (the same on every rank), one at a time for work that reads a unit's whole parameters (DoRA's
+        magnitudes from the loaded base)."""
         if modifier_rank is not None and (not isinstance(modifier_rank, int) or isinstance(modifier_rank, bool)
                                           or not 0 <= modifier_rank < self.world_size):
             raise ValueError(f"lightning_shard: keep_gathered(modifier_rank=...) takes a rank of the runtime's group,"
@@ -84,41 +112,69 @@ class HeldUnits:
         if self.broadcast_buffers and self._buffers_stale:
             self.sync_buffers()
             self._buffers_stale = False
-        for unit in self.units:
+        held = self.units if units is None else list(units)
+        for unit in held:
             self.schedule.gather(unit)
         self._held, self._modifier_rank = True, modifier_rank
-        versions = _versions(self.units)
+        versions = _versions(held)
         try:
             yield
+            replaced = self._adopt_replaced(held)
             if modifier_rank is None:
-                self._refuse_writes(versions)
+                self._refuse_writes(held, versions, replaced)
             else:
-                self._write_back(modifier_rank)
+                self._write_back(held, modifier_rank)
         finally:
             self._held = False
-            for unit in self.units:
+            for unit in held:
                 self.schedule.reshard(unit)
 
     _modifier_rank: Optional[int] = None
 
     @torch.no_grad()
-    def _refuse_writes(self, versions: list[list[int]]) -> None:
-        written = [int(flag) for unit, before in zip(self.units, versions) for flag in _slots_written(unit, before)]
+    def _adopt_replaced(self, held: list[Unit]) -> set[str]:
+        """What code gave the held parameters in other tensors (``p.data = t``) or other Parameter objects
+        (``module.weight = nn.Parameter(t)``, peft's merge on a 4-bit base) is in the gathered buffers, as a write in
+        place would be: before they are compared, or the modifier's broadcast; the names of those replaced."""
+        replaced: set[str] = set()
+        for unit in held:
+            replaced.update(unit.storage.adopt_replaced_gathered())
+            unit.storage.adopt_rebound_gathered()
+        # a 4-bit weight replaced by one dequantizing to another dtype (peft's merge) changes how the unit computes:
+        # the same on every rank, or an error on every rank
+        dtypes = [zlib.crc32(str(slot.quant.dtype).encode()) for unit in held for slot in unit.storage.slots
+                  if getattr(slot, "quant", None) is not None]
+        if dtypes and self.world_size > 1:
+            mine = collectives.fingerprint(dtypes)
+            high, low = collectives.agree(torch.tensor([mine, -mine]), self.group, self.stats,
+                                          label="agreement on the 4-bit weights' dtypes").tolist()
+            if high != -low:
+                raise RuntimeError(
+                    "lightning_shard: 4-bit weights were replaced inside keep_gathered() on some ranks only by weights"
+                    " that dequantize to another dtype (peft's merge_adapter() does so): run the same code on every"
+                    " rank inside keep_gathered().")
+        return replaced
+
+    @torch.no_grad()
+    def _refuse_writes(self, held: list[Unit], versions: list[list[int]], replaced: set[str]) -> None:
+        written = [int(flag or slot.names[0] in replaced) for unit, before in zip(held, versions)
+                   for flag, slot in zip(_slots_written(unit, before), unit.storage.slots)]
         if self.world_size > 1 and written:
             written = collectives.agree(torch.tensor(written, dtype=torch.int64), self.group, self.stats,
                                         label="agreement on the parameters written in keep_gathered()").tolist()
-        names = [slot.names[0] for unit in self.units for slot in unit.storage.slots]
+        names = [slot.names[0] for unit in held for slot in unit.storage.slots]
         written_names = [name for name, flag in zip(names, written) if flag]
         if written_names:
             raise RuntimeError(
-                f"lightning_shard: {written_names[:4]} were written inside keep_gathered(), in the gathered copies it"
-                " frees on exit, so the write would be lost. Pass keep_gathered(modifier_rank=0) to write that rank's"
+                f"lightning_shard: {written_names[:4]} were written inside keep_gathered() (in place, through `.data`, or"
+                " by another Parameter object put in their place), in the gathered copies it frees on exit, so the"
+                " write would be lost. Pass keep_gathered(modifier_rank=0) to write that rank's"
                 " values back into every rank's shards (as DeepSpeed's GatheredParameters(modifier_rank=0)), or write"
                 " between steps through the optimizer's parameters.")
 
     @torch.no_grad()
-    def _write_back(self, modifier_rank: int) -> None:
-        for unit in self.units:
+    def _write_back(self, held: list[Unit], modifier_rank: int) -> None:
+        for unit in held:
             storage = unit.storage
             if self.world_size > 1:  # the modifier's whole buffer to every rank of every replica
                 collectives.broadcast(storage.gathered_data, self.group, self.stats, src=modifier_rank,

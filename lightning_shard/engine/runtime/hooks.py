@@ -31,6 +31,7 @@ from lightning_shard.engine.optim.host_step import HostStepper
 from lightning_shard.engine.optim.norms import RuntimeNorms
 from lightning_shard.engine.optim.optimizer_attach import OptimizerAttachment, RuntimeOptimizers
 from lightning_shard.engine.optim.step_watch import StepWatch
+from lightning_shard.engine.runtime.autocast_casts import AutocastCasts
 from lightning_shard.engine.runtime.arguments import cast_floating, flatten_arguments, in_backward, needs_cast
 from lightning_shard.engine.runtime.backward_watch import refuse_unseen_gradients, watch_inputs, watch_outputs
 from lightning_shard.engine.runtime.compile import run_eagerly
@@ -40,9 +41,10 @@ from lightning_shard.engine.runtime.gather import GatherSchedule
 from lightning_shard.engine.runtime.guards import ModuleGuards
 from lightning_shard.engine.runtime.held import HeldUnits
 from lightning_shard.engine.runtime.reduce import GradientReducer
+from lightning_shard.engine.runtime.returned import keep_returned
 from lightning_shard.engine.runtime.step_figures import StepFigures
 from lightning_shard.engine.runtime.step_scope import StepScope
-from lightning_shard.engine.storage.outside import OutsideReads, keep_returned
+from lightning_shard.engine.storage.outside import OutsideReads
 from lightning_shard.engine.storage.unit import Unit
 
 # Set to 1 (the test suite does) to check on the CPU that every hand-over between streams is in place.
@@ -75,6 +77,7 @@ class ShardRuntime(StepScope, HeldUnits, ModelEntries, RuntimeOptimizers, Runtim
         self.stats = CommStats()
         device = units[0].storage.device if units else torch.device("cpu")
         self.streams = streams_for(device, check=os.environ.get(CHECK_STREAMS) == "1")
+        self.autocast_casts = AutocastCasts(device.type)  # casts cached before a forward with grad (autocast_casts.py)
         self.figures = StepFigures(self.stats, self.streams)
         self.schedule = GatherSchedule(groups.shard, self.stats, prefetch, self.streams)
         self.elision = BackwardElision(units, self.schedule, elide_backward_gathers, groups.agreements,
@@ -223,6 +226,7 @@ class ShardRuntime(StepScope, HeldUnits, ModelEntries, RuntimeOptimizers, Runtim
 
     def _pre_forward(self, unit: Unit, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
         self._follow_requires_grad(unit)
+        self.autocast_casts.before_forward()
         if not self._held:
             self.schedule.gather(unit, exposed=not self._final_callback_queued)
             if not self._final_callback_queued:  # not a recomputation inside backward
@@ -305,6 +309,10 @@ class ShardRuntime(StepScope, HeldUnits, ModelEntries, RuntimeOptimizers, Runtim
     def _start_backward(self, _param: Optional[Tensor]) -> None:  # also a post-accumulate-grad hook (_watch_parameters)
         if not self._final_callback_queued:
             self._final_callback_queued = True
+            # what trains is what requires grad now, as autograd's own accumulation reads it: a pass since the
+            # unit's forward may have frozen it for its own use and unfrozen it after (peft's disable_adapter())
+            for unit in self.units:
+                self._follow_requires_grad(unit)
             # before this backward adds to what no_sync() left (inside it, the intact marks stay)
             self.reducer.marks.forget_zeroed(keep=not self.reducer.sync_grads)
             self.schedule.start_backward()
@@ -312,6 +320,7 @@ class ShardRuntime(StepScope, HeldUnits, ModelEntries, RuntimeOptimizers, Runtim
 
     def _finish_backward(self) -> None:
         self._final_callback_queued = self._forward_awaits_backward = False
+        self.autocast_casts.backward_ended()
         self._backward_graph_kept |= torch.is_grad_enabled()  # create_graph=True: keep what its graph reads
         try:
             if self.host_stepper is not None and self.host_stepper.armed is not None:

@@ -4,7 +4,8 @@ DDP's ``no_sync`` leaves each micro-batch's local gradients in ``.grad``, which 
 held elsewhere (the gathered parameters, or one flat sum: unsharded_grads.py), so each slot holding some gets a
 ``.grad`` "mark" on its shard parameter (a -0.0 tensor where it had none; an existing gradient has its zeros set to
 -0.0), for a ``zero_grad`` to clear: set to None, replaced, or zeroed in place (+0.0). A write that keeps the values
-(``clip_grad_norm_`` below its norm, ``nan_to_num_``) keeps the sign, and keeps the micro-batches.
+(``clip_grad_norm_`` below its norm, ``nan_to_num_``) keeps the sign, and keeps the micro-batches; so does a new
+tensor of the same values put in ``.grad`` (``p.grad = torch.nan_to_num(p.grad)``), which is read as the mark after.
 
 A mark is read before each backward and at an optimizer step. Inside ``no_sync()`` the marks found intact stay: a
 later backward that does not train a unit (frozen by ``toggle_optimizer``) would otherwise lose its marks, and a
@@ -65,8 +66,9 @@ class NoSyncMarks:
             if marks is None:
                 continue
             params, dropped = unit.storage.shard_params, zeroed.get(id(unit), [])
-            kept[id(unit)] = {i: (mark, mark._version, made) for i, (mark, _, made) in marks.items()
-                              if i not in dropped}
+            # a mark replaced by a tensor of its values (``p.grad = torch.nan_to_num(p.grad)``) is read from there on
+            kept[id(unit)] = {i: (now, now._version, made) for i, (mark, _, made) in marks.items()
+                              if i not in dropped for now in [_current(params[i].grad, mark)]}
             if not keep:
                 for i, (_, _, made) in kept[id(unit)].items():
                     if made:
@@ -105,14 +107,23 @@ def _read(grad: Optional[Tensor], mark: Optional[tuple[Tensor, int, bool]]) -> t
     if mark is None:
         return _UNKNOWN, False
     tensor, version = mark[0], mark[1]
-    if grad is not tensor:  # set to None or replaced
+    if grad is None:  # set to None
         return _ZEROED, True
+    if grad is not tensor:  # replaced: by zeros (a zero_grad by hand) or by the same values (nan_to_num, a clone)
+        if not grad.numel():
+            return _UNKNOWN, False
+        return (_ZEROED, True) if _zeroed(grad) else (_KEPT, True)
     moved = tensor._version != version
     if not tensor.numel():
         return _UNKNOWN, moved
     if moved and _zeroed(tensor):
         return _ZEROED, True
     return _KEPT, moved
+
+
+def _current(grad: Optional[Tensor], mark: Tensor) -> Tensor:
+    """The tensor that holds a kept mark now: the one it was, or the one that replaced it."""
+    return mark if grad is None else grad
 
 
 def _zeroed(mark: Tensor) -> bool:

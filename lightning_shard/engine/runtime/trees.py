@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 
@@ -39,6 +40,33 @@ def flatten(tree: Any) -> tuple[list, Callable[[list], Any]]:
 def leaves(tree: Any) -> list:
     """``tree``'s leaves, dataclasses opened."""
     return flatten(tree)[0]
+
+
+def output_leaves(output: Any) -> list:
+    """``output``'s leaves, dataclasses and plain objects opened (:func:`is_plain_object`: their attributes), each
+    object once: what a unit returns, read only (a call's arguments are not opened: a cache object passed in is the
+    caller's to keep)."""
+    found: list = []
+    seen: set[int] = set()
+
+    def visit(tree: Any) -> None:
+        for leaf in leaves(tree):
+            if is_plain_object(leaf):
+                if id(leaf) not in seen:
+                    seen.add(id(leaf))
+                    visit(list(vars(leaf).values()))
+            else:
+                found.append(leaf)
+
+    visit(output)
+    return found
+
+
+def is_plain_object(x: Any) -> bool:
+    """An instance of a class that pytree and dataclasses do not open, holding its values as attributes: a unit may
+    return its tensors inside one (``Holder(out=out, bias=self.bias)``, DeepSpeed's test_ext_param_returnobj)."""
+    return (hasattr(x, "__dict__") and not isinstance(x, (Tensor, nn.Module, type)) and not callable(x)
+            and not _is_dataclass_instance(x))
 
 
 def _first(values: list) -> Any:

@@ -222,6 +222,33 @@ class FlatShard(ShardGrads):
         self.shards_changed()
         return True
 
+    def adopt_replaced_gathered(self) -> list[str]:
+        """Parameter objects put in the tree in place of gathered ones (``module.weight = nn.Parameter(...)``; peft's
+        ``merge_adapter()`` on a 4-bit base installs a re-quantized weight): their values copied into the gathered
+        buffer, which is what sharding keeps, and the gathered parameters registered again. Returns their names."""
+        replaced = []
+        for parameters, gathered in self._gathered_in_tree:
+            for attr, param in gathered.items():
+                new = parameters.get(attr)
+                if new is param:
+                    continue
+                i = next(i for i, p in enumerate(self.gathered_params) if p is param)
+                self._adopt_replacement(i, new)
+                param.requires_grad_(new.requires_grad)  # (followed by both at the unit's next use)
+                parameters[attr] = param
+                replaced.append(self.slots[i].names[0])
+        return replaced
+
+    def _adopt_replacement(self, i: int, new: Optional[Tensor]) -> None:
+        view, name = self._gathered_view(i), self.slots[i].names[0]
+        if new is None or new.shape != view.shape or new.dtype != view.dtype:
+            given = "None" if new is None else f"a {new.dtype} tensor of shape {tuple(new.shape)}"
+            raise RuntimeError(
+                f"lightning_shard: {name!r} was replaced by {given} where the sharded model holds a {view.dtype} one of"
+                f" shape {tuple(view.shape)}: sharding keeps a parameter's shape and dtype. Give it values of that"
+                " shape and dtype (`p.copy_(...)` under torch.no_grad()), or change the model before sharding.")
+        view.copy_(new.detach())
+
     def _gathered_view(self, i: int) -> Tensor:
         slot = self.slots[i]
         return self.gathered_data[slot.offset : slot.offset + slot.numel].view(slot.shape)

@@ -26,6 +26,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor, nn
 
+from lightning_shard.engine.plan.gathers import GatherDtypes
 from lightning_shard.engine.storage import quantized
 from lightning_shard.engine.storage.flat_shard import ParamSlot
 
@@ -55,12 +56,15 @@ class MixedSlot(ParamSlot):
         return self.numel * self.master_dtype.itemsize
 
 
-def is_mixed(plan: Any) -> bool:
-    """Whether a unit's parameters need a unit of several dtypes: they differ in dtype, or some are packed bytes."""
+def is_mixed(plan: Any, gathers: Optional[GatherDtypes] = None) -> bool:
+    """Whether a unit's parameters need a unit of several dtypes: they differ in dtype, some are packed bytes, or
+    (``gathers``) some are gathered in another dtype than the others."""
     for param, locations in plan.params:
         quantized.refuse_other_quantized(param, ".".join(filter(None, locations[0])))
     params = [param for param, _ in plan.params]
-    return len({p.dtype for p in params}) > 1 or any(quantized.is_params4bit(p) for p in params)
+    if len({p.dtype for p in params}) > 1 or any(quantized.is_params4bit(p) for p in params):
+        return True
+    return gathers is not None and len({gathers.of(p, locations) for p, locations in plan.params}) > 1
 
 
 def align_up(value: int, alignment: int) -> int:
@@ -74,10 +78,10 @@ class MixedLayout:
 
 
 def flatten_mixed(root: nn.Module, plan: Any, param_dtype: Optional[torch.dtype], fqn: Callable[[str, str], str],
-                  world: int, loads: list[int]) -> tuple[MixedLayout, Tensor]:
+                  world: int, loads: list[int], gathers: Optional[GatherDtypes] = None) -> tuple[MixedLayout, Tensor]:
     """The unit's layout over ``world`` ranks, and its full buffer in master dtypes (identical on every rank once
     broadcast). ``loads``: trainable elements per rank in the units laid out before, updated."""
-    slots, tensors = mixed_slots(root, plan, param_dtype, fqn)
+    slots, tensors = mixed_slots(root, plan, param_dtype, fqn, gathers)
     flat = torch.zeros(slots[-1].source + slots[-1].master_nbytes, dtype=torch.uint8, device=tensors[0].device)
     for slot, tensor in zip(slots, tensors):
         flat[slot.source : slot.source + slot.master_nbytes].view(slot.master_dtype).copy_(tensor.reshape(-1))
@@ -86,11 +90,13 @@ def flatten_mixed(root: nn.Module, plan: Any, param_dtype: Optional[torch.dtype]
     return layout, flat
 
 
-def mixed_slots(root: nn.Module, plan: Any, param_dtype: Optional[torch.dtype],
-                fqn: Callable[[str, str], str]) -> tuple[list[MixedSlot], list[Tensor]]:
-    """The unit's slots in the model's order (not placed yet), and the tensor each holds."""
+def mixed_slots(root: nn.Module, plan: Any, param_dtype: Optional[torch.dtype], fqn: Callable[[str, str], str],
+                gathers: Optional[GatherDtypes] = None) -> tuple[list[MixedSlot], list[Tensor]]:
+    """The unit's slots in the model's order (not placed yet), and the tensor each holds. ``param_dtype``: where the
+    unit computes lower, unless ``gathers`` says another dtype for a parameter (its own: cast="autocast")."""
     slots, tensors, source = [], [], 0
     for param, locations in plan.params:
+        lowered = param_dtype if gathers is None or gathers.of(param, locations) != param.dtype else None
         names = tuple(fqn(m, a) for m, a in locations)
         where = tuple((root.get_submodule(m), a) for m, a in locations)
         entries = [(names, where, param.detach(), None)]
@@ -100,7 +106,7 @@ def mixed_slots(root: nn.Module, plan: Any, param_dtype: Optional[torch.dtype],
             entries += [((spec.state_name(key),), (), tensor.detach(), None) for key, tensor in states]
         for names, where, tensor, spec in entries:
             packed = spec is not None or not where
-            gather = _gather_dtype(tensor, packed, param_dtype)
+            gather = _gather_dtype(tensor, packed, lowered)
             source = align_up(source, tensor.dtype.itemsize)
             slots.append(MixedSlot(names=names, locations=where, shape=tensor.shape, offset=0, numel=tensor.numel(),
                                    requires_grad=param.requires_grad and not packed, master_dtype=tensor.dtype,

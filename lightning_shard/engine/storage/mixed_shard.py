@@ -19,6 +19,7 @@ master dtype.
 from __future__ import annotations
 
 import weakref
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -129,11 +130,14 @@ class MixedShard(FlatShard):
                 continue
             states = {key: by_name[slot.quant.state_name(key)] for key in slot.quant.keys}
             owner = slot.locations[0][0] if slot.locations else None
-            weight = quantized.params4bit(view, slot.quant, states, owner)
+            weight = quantized.params4bit(view, slot.quant, states, owner, alive=self._gathered_alive)
             for module, _ in slot.locations:
                 quantized.adopt(module, weight)
             params.append(weight)
         return params
+
+    def _gathered_alive(self) -> bool:
+        return self._allocated
 
     def master_values(self, gathered_masters: Tensor) -> list[Tensor]:
         """Each slot's full master values (its shape), out of every rank's master shard gathered rank-major."""
@@ -286,6 +290,21 @@ class MixedShard(FlatShard):
     def _shard_view(self, i: int) -> Tensor:
         return self._master_view(self.shard, i, *self.param_range(self.slots[i], self.rank))
 
+    def _adopt_replacement(self, i: int, new: Optional[Tensor]) -> None:
+        """A packed 4-bit weight's replacement (a re-quantized ``Params4bit``) brings its bytes and its quantization
+        state, each into its slot; anything else, its values."""
+        slot = self.slots[i]
+        if slot.quant is None or new is None:
+            return super()._adopt_replacement(i, new)
+        spec, values = quantized.replacement(new, slot.quant)
+        if spec.dtype != slot.quant.dtype:  # (the same on every rank that ran the same code: held.py checks it)
+            self.slots[i] = replace(slot, quant=spec)
+            self.gathered_params[i].quant_state.dtype = spec.dtype
+        states = {s.names[0]: j for j, s in enumerate(self.slots)}
+        for key, value in values.items():
+            view = self._gathered_view(i if key is None else states[slot.quant.state_name(key)])
+            view.copy_(value.reshape(view.shape))
+
     def write_back(self) -> None:
         """This rank's part of the gathered bytes into its shard, where code wrote the gathered copy (``p.data.clamp_()``,
         ``p.data = ...``): every rank's copy is the whole parameter and each keeps its own part, as DDP keeps the
@@ -344,16 +363,20 @@ class MixedUnshardedGrads(UnshardedGrads):
         self._held_layout = self.storage._grad_layout()[0]
 
     def drop_slots(self, slots: list[int]) -> None:
-        """The held sum is laid out by rank, each rank's part of each slot: forgotten whole where every slot it holds
-        was cleared; in part, refused."""
+        """The held sum is laid out by rank, each rank's part of each slot: the slots cleared (one optimizer's
+        parameters of a unit holding both a GAN's networks) are zeroed in every rank's part."""
         if self._held is None:
             return super().drop_slots(slots)
-        if self._held[1] - set(slots):
-            raise RuntimeError(
-                f"lightning_shard: zero_grad cleared the gradients accumulated inside no_sync() of some of the"
-                f" parameters of {self.storage.slots[0].names[0]!r}'s unit only, whose dtypes are held together:"
-                " clear them all (optimizer.zero_grad(), model.zero_grad()) or none.")
-        self._held = None
+        flat, used = self._held
+        parts, _, longest = self.storage._layout_of(self._held_layout)
+        dropped = set(slots)
+        for rank, pieces in enumerate(parts):
+            at = rank * longest
+            for i, (lo, hi) in zip(self._held_layout, pieces):
+                if i in dropped:
+                    flat[at : at + hi - lo].zero_()
+                at += hi - lo
+        used.difference_update(dropped)
 
 
 class HostMixedShard(HostShard, MixedShard):

@@ -1,9 +1,7 @@
 """A unit's parameters reaching code outside the unit: returned from its forward, or read directly by another module.
 
-Returned: Megatron's layers return ``(output, self.bias)`` for the caller to fuse (DeepSpeed's ``LinearWrapper``). The
-returned tensor is a view of the unit's gathered buffer, which the unit frees after its forward (``full``) or after its
-backward: the caller would read freed memory (a segfault). :func:`keep_returned` hands the caller a copy instead, made
-as the forward ends and differentiable, so the gradient reaches the gathered parameter as it would have.
+Returned: Megatron's layers return ``(output, self.bias)`` for the caller to fuse: a copy is handed out instead
+(engine/runtime/returned.py).
 
 Read: a parent computing with ``self.linear1.weight`` after linear1 ran (freed), or ``self.linear2.weight`` before
 linear2 runs (not gathered yet), would compute with a 1-D shard. DeepSpeed's ZeRO-3 gathers such "external parameters"
@@ -26,9 +24,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import torch
-from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch import nn
 
 
 class TreeParameters(dict):
@@ -109,37 +105,3 @@ class OutsideReads:
             for parameters in dicts:
                 parameters.on_read = None
                 parameters.__class__ = GatheredParameters
-
-
-def keep_returned(output: Any, gathered: frozenset[int]) -> tuple[Any, bool]:
-    """``output`` with each tensor that is one of the unit's gathered parameters (``gathered``: their ids), or a view of
-    one, replaced by a copy; and whether a copy may carry a gradient back to them."""
-    if isinstance(output, Tensor):
-        return _copy(output) if _is_parameter(output, gathered) else (output, False)
-    if type(output) is tuple:  # a block's usual tuple of tensors: no pytree
-        for x in output:
-            if isinstance(x, Tensor):
-                if _is_parameter(x, gathered):
-                    break
-            elif x is not None:
-                break
-        else:
-            return output, False
-    flat, spec = tree_flatten(output)
-    returned = [i for i, x in enumerate(flat) if isinstance(x, Tensor) and _is_parameter(x, gathered)]
-    if not returned:
-        return output, False
-    carries = False
-    for i in returned:
-        flat[i], grad = _copy(flat[i])
-        carries |= grad
-    return tree_unflatten(flat, spec), carries
-
-
-def _is_parameter(x: Tensor, gathered: frozenset[int]) -> bool:
-    return id(x) in gathered or (x._is_view() and id(x._base) in gathered)
-
-
-def _copy(x: Tensor) -> tuple[Tensor, bool]:
-    return x.clone(), torch.is_grad_enabled() and x.requires_grad
-

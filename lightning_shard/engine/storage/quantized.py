@@ -18,8 +18,8 @@ weights when double quantization is off.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor, nn
@@ -142,27 +142,79 @@ def materialize(param: Any, name: str, module: Optional[nn.Module], device: torc
     return params4bit(packed, spec, dict(tensors), module)
 
 
-def quant_state(spec: QuantSpec, states: dict[str, Tensor]) -> Any:
-    """A bitsandbytes ``QuantState`` over ``states`` (by key: views of a gathered buffer, or full tensors)."""
+def quant_state(spec: QuantSpec, states: dict[str, Tensor], alive: Optional[Callable[[], bool]] = None) -> Any:
+    """A bitsandbytes ``QuantState`` over ``states`` (by key: views of a gathered buffer, or full tensors). ``alive``:
+    whether the gathered buffer they view has its storage; reading its tensors while not is an error naming the weight
+    (a state kept from inside ``keep_gathered()`` and read after it read freed memory: a segfault)."""
     from bitsandbytes.functional import QuantState
 
+    make = QuantState if alive is None else _guarded_class(QuantState)
+    guard = {} if alive is None else {"_alive": alive, "_weight": spec.weight}
     state2, offset = None, None
     if spec.nested:
-        state2 = QuantState(absmax=states["nested_absmax"], code=states["nested_quant_map"],
-                            blocksize=spec.nested_blocksize, dtype=spec.nested_dtype)
+        state2 = make(absmax=states["nested_absmax"], code=states["nested_quant_map"],
+                      blocksize=spec.nested_blocksize, dtype=spec.nested_dtype, **guard)
         offset = states["nested_offset"].view(())
-    return QuantState(absmax=states["absmax"], shape=spec.shape, code=states["quant_map"], blocksize=spec.blocksize,
-                      quant_type=spec.quant_type, dtype=spec.dtype, offset=offset, state2=state2)
+    return make(absmax=states["absmax"], shape=spec.shape, code=states["quant_map"], blocksize=spec.blocksize,
+                quant_type=spec.quant_type, dtype=spec.dtype, offset=offset, state2=state2, **guard)
 
 
-def params4bit(data: Tensor, spec: QuantSpec, states: dict[str, Tensor], module: Optional[nn.Module] = None) -> Any:
+_GUARDED: dict[type, type] = {}
+
+
+def _guarded_class(base: type) -> type:
+    """``base`` (bitsandbytes' QuantState) whose tensors are read through a check that their buffer is gathered."""
+    if base not in _GUARDED:
+        def tensor(key: str) -> property:
+            def read(self: Any) -> Any:
+                value = self.__dict__[key]
+                if isinstance(value, Tensor) and not self.__dict__["_alive"]():
+                    raise RuntimeError(
+                        f"lightning_shard: the quantization state of {self.__dict__['_weight']!r} was read after its"
+                        " unit was freed (kept from inside keep_gathered() or a step, whose gathered buffer it views):"
+                        " read it inside, or keep a copy (`absmax.clone()`, `quant_state.to(device)` makes new"
+                        " tensors).")
+                return value
+
+            def write(self: Any, value: Any) -> None:
+                self.__dict__[key] = value
+
+            return property(read, write)
+
+        def init(self: Any, *args: Any, _alive: Callable[[], bool], _weight: str, **kwargs: Any) -> None:
+            self.__dict__["_alive"], self.__dict__["_weight"] = _alive, _weight
+            base.__init__(self, *args, **kwargs)
+
+        members = {key: tensor(key) for key in ("absmax", "code", "offset")}
+        name = f"Gathered{base.__name__}"
+        _GUARDED[base] = globals()[name] = type(name, (base,), {"__init__": init, "__module__": __name__, **members})
+    return _GUARDED[base]
+
+
+def params4bit(data: Tensor, spec: QuantSpec, states: dict[str, Tensor], module: Optional[nn.Module] = None,
+               alive: Optional[Callable[[], bool]] = None) -> Any:
     """A real ``Params4bit`` viewing ``data`` (packed, shape ``(n, 1)``) with its quantization state: what
-    bitsandbytes' ``Linear4bit.forward`` and peft's dequantization read."""
+    bitsandbytes' ``Linear4bit.forward`` and peft's dequantization read (``alive``: see :func:`quant_state`)."""
     from bitsandbytes.nn import Params4bit
 
-    return Params4bit(data, requires_grad=False, quant_state=quant_state(spec, states), blocksize=spec.blocksize,
+    return Params4bit(data, requires_grad=False, quant_state=quant_state(spec, states, alive), blocksize=spec.blocksize,
                       compress_statistics=spec.nested, quant_type=spec.quant_type, quant_storage=spec.quant_storage,
                       module=module, bnb_quantized=True)
+
+
+def replacement(new: Any, spec: QuantSpec) -> tuple[QuantSpec, dict[Optional[str], Tensor]]:
+    """What a ``Params4bit`` put in place of a gathered packed weight (peft's merge re-quantizes it) holds, by state key
+    (``None``: the packed data), and its spec; refused where it is quantized otherwise than the slot. Its ``dtype``,
+    what dequantization gives back, may differ (peft's merge quantizes base + adapter, promoted to the adapter's)."""
+    if not is_params4bit(new) or new.is_meta or not new.bnb_quantized:
+        raise RuntimeError(f"lightning_shard: the packed 4-bit weight {spec.weight!r} was replaced by a"
+                           f" {type(new).__name__} that is not a quantized bitsandbytes Params4bit: a sharded 4-bit"
+                           " weight can only be replaced by one quantized as it is (shape, blocksize, type, storage).")
+    theirs, data, tensors = describe(new, spec.weight)
+    if replace(theirs, dtype=spec.dtype) != spec:
+        raise RuntimeError(f"lightning_shard: the packed 4-bit weight {spec.weight!r} was replaced by one quantized as"
+                           f" {theirs}, where the sharded model's is {spec}: quantize the replacement as the model is.")
+    return theirs, {None: data, **dict(tensors)}
 
 
 def adopt(module: nn.Module, weight: Any) -> None:

@@ -1,0 +1,3 @@
+from lightning_shard.simulate.command import main
+
+main()
