@@ -352,6 +352,26 @@ def test_two_ranks_on_one_gpu_through_gloo_match_ddp():
     assert_two_ranks_match_ddp(reports, "cuda:0")
 
 
+@pytest.mark.parametrize("offload", [None, "optimizer"])
+def test_async_save_copies_device_shards_into_pinned_memory_and_writes_what_a_synchronous_save_writes(tmp_path,
+                                                                                                     offload):
+    """``async_save``'s staging on a GPU: the device tensors copied into pinned host memory without the host waiting,
+    on the stream the next steps' kernels follow (two of them run before the write); under offload, from the host
+    shards. The checkpoint is the synchronous save's, bit for bit (tests/test_checkpoint_async.py on the CPU)."""
+    from tests import async_checkpoint_scenarios as scenarios
+    from tests.test_checkpoint_async import consolidated, same
+    from tests.world import run_world
+
+    results = run_world(scenarios.engine_both_ways, 2, "cuda", str(tmp_path), offload, timeout=240)
+    refused = [r["refused"] for r in results if "refused" in r]
+    if refused:
+        pytest.skip(refused[0])
+    for r in results:
+        assert r["held"] == [[2]] and "cuda:0" in r["devices"] and r["pinned"], r
+        assert r["held_bytes"] == r["bytes"]
+    assert same(consolidated(tmp_path / "async"), consolidated(tmp_path / "sync"))
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_world_2_and_3_on_one_gpu_with_the_whole_cuda_path_match_ddp(world):
     """World 1 skips most of the CUDA path (no side-stream gathers, no reductions to hand over): a stream race shows

@@ -62,6 +62,7 @@ class RunSummary(L.Callback):
             # estimated at setup, activations excluded (python -m lightning_shard.estimate includes them)
             "estimated_mb_per_rank": estimate.peak / 2**20 if estimate is not None else None,
             "estimated_host_mb_per_rank": estimate.host / 2**20 if estimate is not None and estimate.host else None,
+            "estimated_host_uses": estimate.host_uses if estimate is not None and estimate.host else None,
             "cuda_peak_mb_per_rank": (torch.cuda.max_memory_allocated(strategy.root_device) / 2**20
                                       if strategy.root_device.type == "cuda" else None),
             "peak_gathered_mb_per_rank": runtime.schedule.peak_gathered_bytes / 2**20 if runtime is not None else None,

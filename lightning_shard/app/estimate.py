@@ -49,6 +49,7 @@ def estimate_config(cfg: Any) -> tuple[MemoryEstimate, int]:
         accumulate_grad_batches=int(cfg.trainer.get("accumulate_grad_batches", 1)),
         reduce_during_accumulation=strategy.reduce_during_accumulation,
         zero_grad_before_backward=not strategy.free_grads_after_step,
+        async_save=strategy.async_save,
     )
     return estimate, world
 

@@ -37,8 +37,9 @@ def _memory(s: dict[str, Any]) -> str:
     parts = [f"{s['model_state_mb_per_rank']:.1f} MiB params+grads+optimizer"]
     if s.get("estimated_mb_per_rank") is not None:
         parts.append(f"{s['estimated_mb_per_rank']:.1f} MiB estimated before activations")
-    if s.get("estimated_host_mb_per_rank") is not None:  # offload
-        parts.append(f"{s['estimated_host_mb_per_rank']:.1f} MiB estimated in host memory (offload)")
+    if s.get("estimated_host_mb_per_rank") is not None:  # offload, async checkpoint staging
+        parts.append(f"{s['estimated_host_mb_per_rank']:.1f} MiB estimated in host memory"
+                     f" ({s.get('estimated_host_uses') or 'offload'})")
     if s.get("cuda_peak_mb_per_rank") is not None:
         parts.append(f"{s['cuda_peak_mb_per_rank']:.0f} MiB CUDA peak")
     else:  # the process's resident peak: torch and Python included

@@ -32,6 +32,16 @@ def validate_state_dict_type(value: object) -> str:
     return value  # type: ignore[return-value]
 
 
+def validate_async_save(value: object, state_dict_type: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"`async_save` must be True or False, got {value!r}.")
+    if value and state_dict_type != "sharded":
+        raise ValueError("`async_save=True` writes sharded checkpoints in the background: it needs"
+                         f" state_dict_type='sharded', got {state_dict_type!r} (a full checkpoint is gathered into rank"
+                         " 0's memory and written by it alone).")
+    return value
+
+
 def save_sharded(checkpoint: dict[str, Any], path: Path, group: Optional[dist.ProcessGroup] = None) -> None:
     """Every rank calls this with its own ``checkpoint`` (as built by ``lightning_module_state_dict`` and
     ``optimizer_state`` in sharded mode). A failure anywhere, a dead rank included, raises on every rank
@@ -44,10 +54,16 @@ def save_sharded(checkpoint: dict[str, Any], path: Path, group: Optional[dist.Pr
 
 
 def _save_sharded(checkpoint: dict[str, Any], path: Path, group: Optional[dist.ProcessGroup]) -> None:
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    rank = dist.get_rank(group)
     partial = files.partial_path(path)
-    _all_succeed(lambda: files.begin(path) if rank == 0 else None, group)
+    all_succeed(lambda: files.begin(path) if rank == 0 else None, group)
+    items = split_checkpoint(checkpoint)
+    sharded.save(items, partial)  # collective: a failure on any rank raises on every rank
+    commit_sharded(path, lambda: torch.save(checkpoint, partial / files.META), group)
 
+
+def split_checkpoint(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """Take the tensors DCP writes out of ``checkpoint`` (what is left goes to ``meta.pt``), keyed as DCP saves them."""
     items = {sharded.MODEL_PREFIX + k: v for k, v in checkpoint.pop("state_dict").items()}
     # a weight-averaging callback's layout: the average in state_dict, the weights trained in current_model_state
     items.update({sharded.CURRENT_PREFIX + k: v for k, v in checkpoint.pop(CURRENT, {}).items()})
@@ -57,18 +73,25 @@ def _save_sharded(checkpoint: dict[str, Any], path: Path, group: Optional[dist.P
             items.update({sharded.optimizer_prefix(i) + k: v for k, v in state["tensors"].items()})
             optimizer_meta.append({k: v for k, v in state.items() if k != "tensors"})
         checkpoint["optimizer_states"] = optimizer_meta
-    sharded.save(items, partial)  # collective: a failure on any rank raises on every rank
-    everyone = _all_succeed(lambda: files.checksums(partial, sharded.rank_files(partial, rank)), group)
+    return items
+
+
+def commit_sharded(path: Path, write_meta: Callable[[], None], group: Optional[dist.ProcessGroup]) -> None:
+    """Once every rank's DCP files are in ``PATH.partial``: their checksums, then rank 0 writes ``meta.pt`` (by
+    ``write_meta``) and the manifest and moves the directory into place. A failure anywhere raises on every rank."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    partial = files.partial_path(path)
+    everyone = all_succeed(lambda: files.checksums(partial, sharded.rank_files(partial, rank)), group)
 
     def write_meta_and_commit() -> None:
         if rank == 0:
-            torch.save(checkpoint, partial / files.META)
+            write_meta()
             files.finish(path, {k: v for theirs in everyone for k, v in theirs.items()}, world)
 
-    _all_succeed(write_meta_and_commit, group)
+    all_succeed(write_meta_and_commit, group)
 
 
-def _all_succeed(step: Callable[[], Any], group: Optional[dist.ProcessGroup]) -> list[Any]:
+def all_succeed(step: Callable[[], Any], group: Optional[dist.ProcessGroup]) -> list[Any]:
     """Run ``step`` on every rank and return every rank's result; if it failed anywhere, raise on every
     rank, naming each failure."""
     try:
@@ -78,8 +101,12 @@ def _all_succeed(step: Callable[[], Any], group: Optional[dist.ProcessGroup]) ->
     everyone = from_every_rank(outcome, group)
     failures = [error for _, error in everyone if error]
     if failures:
-        raise OSError("; ".join(failures))
+        raise RankFailures("; ".join(failures))
     return [result for result, _ in everyone]
+
+
+class RankFailures(OSError):
+    """A step of a save that failed on some ranks; its message names each rank's failure."""
 
 
 def save_full(checkpoint: dict[str, Any], path: Path, io: Any, storage_options: Optional[Any] = None) -> None:

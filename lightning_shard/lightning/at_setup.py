@@ -85,3 +85,6 @@ def prepare_fit(strategy: Any, trainer: "pl.Trainer") -> None:
                                                  strategy.offload_overlap and strategy.offload is not None)
     strategy.runtime.restage_each_step = strategy.offload_overlap_clip is None or restage_each_step(trainer)
     strategy.memory_estimate = report_memory_estimate(strategy, trainer)
+    if strategy.async_save:
+        strategy.checkpoints.prepare_background_saves(strategy.runtime, strategy.processes.timeout,
+                                                      strategy.root_device, strategy.memory_estimate)

@@ -1,21 +1,29 @@
 """The checkpoint side of ShardStrategy: model and optimizer state in either format (sharded directories or one
-full file), and what a resumed fit needs beyond them: the parameters that were trainable when the checkpoint was
-saved (a fine-tuning callback unfreezes layers during fit; Lightning restores neither their flags nor, for a
-strategy that restores after setup, the callback's param groups in time)."""
+full file), saved in the background during fit with ``async_save`` (checkpoint/async_save.py), and what a resumed fit
+needs beyond them: the parameters that were trainable when the checkpoint was saved (a fine-tuning callback unfreezes
+layers during fit; Lightning restores neither their flags nor, for a strategy that restores after setup, the
+callback's param groups in time)."""
 
 from __future__ import annotations
 
+import logging
 import shlex
+import sys
 from collections.abc import Mapping
+from datetime import timedelta
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
+
+import torch
 
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_shard.checkpoint import sharded
+from lightning_shard.checkpoint.async_save import AsyncSaver
 from lightning_shard.checkpoint.export_checkpoint import RECORD, describe_pretrained
 from lightning_shard.checkpoint.files import CheckpointError
 from lightning_shard.checkpoint.fingerprint import check_fingerprints, fingerprints, frozen_names
@@ -30,6 +38,9 @@ from lightning_shard.checkpoint.sharded_source import load_model_source, sharded
 from lightning_shard.engine.runtime.averaging import AveragedShards
 from lightning_shard.engine.runtime.hooks import ShardRuntime
 from lightning_shard.lightning.finetuning import readd_finetuning_groups
+from lightning_shard.memory.estimate import MemoryEstimate
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointState:
@@ -38,6 +49,49 @@ class CheckpointState:
 
     def __init__(self) -> None:
         self._told_how_to_load = False  # rank 0 said, once, how a sharded checkpoint is read by one process
+        self.background: Optional[AsyncSaver] = None  # async_save: the saves written in the background, set at fit
+
+    # -- async_save ---------------------------------------------------------------------------------------------------
+    def prepare_background_saves(self, runtime: ShardRuntime, timeout: Optional[timedelta], device: torch.device,
+                                 estimate: Optional[MemoryEstimate]) -> None:
+        """At a fit's setup: the process group of the background writes (every rank), and the step's first agreement
+        told of their failures (the engine's ``reducer.background``)."""
+        if self.background is None:
+            self.background = AsyncSaver(timeout=timeout, device=device)
+        self.background.setup()
+        runtime.reducer.background = self.background
+        if estimate is not None:  # the first save's host memory, touched ahead of it (checkpoint/staging.py)
+            self.background.stager.reserve(estimate.checkpoint_staging, device)
+
+    def saves_in_background(self, trainer: Any) -> bool:
+        """During a running fit; other saves (after it, in validate) are written before they return."""
+        return (self.background is not None and trainer is not None and trainer.state.fn == TrainerFn.FITTING
+                and trainer.state.status == TrainerStatus.RUNNING)
+
+    def complete_background_saves(self) -> None:
+        """Every rank: wait for the save in flight; raise on every rank, naming it, if it failed on any."""
+        if self.background is not None:
+            self.background.complete()
+
+    def remove(self, remove: Callable[[], None]) -> None:
+        """A checkpoint rotated away (``ModelCheckpoint``'s top-k, its previous ``last``) goes only once the save in
+        flight has committed: until then it may be the newest complete one."""
+        if self.background is not None:
+            self.background.remove_after(remove)
+        else:
+            remove()
+
+    def note_unfinished_save(self, exception: BaseException, timeout: Optional[timedelta]) -> None:
+        """A fit failing (on this rank, or a peer's death seen here): the save in flight ends here first (bounded by
+        the process group timeout), and if it did not commit, the error says so, naming it."""
+        if self.background is None:
+            return
+        bound = (timeout.total_seconds() if timeout is not None else 1800.0) + 60.0
+        said = self.background.wait_here(timeout=bound)
+        if said is not None:
+            log.error(said)
+            if sys.version_info >= (3, 11):
+                exception.add_note(said)
 
     @staticmethod
     def left_out(runtime: ShardRuntime, optimizers: list[Optimizer], save_frozen: bool) -> set[str]:
@@ -89,12 +143,18 @@ class CheckpointState:
         return full_optimizer_state_dict(runtime, optimizer, rank0_only=True)
 
     def save(self, checkpoint: dict[str, Any], path: Path, storage_options: Optional[Any], state_dict_type: str,
-             is_global_zero: bool, checkpoint_io: Any) -> None:
-        """Written beside the target and moved into place when complete (``path``: the same on every rank)."""
+             is_global_zero: bool, checkpoint_io: Any, trainer: Any) -> None:
+        """Written beside the target and moved into place when complete (``path``: the same on every rank); during a
+        fit under ``async_save``, staged and written while training goes on."""
         if state_dict_type == "sharded":
             if storage_options is not None:
                 raise TypeError("`storage_options` is not supported with state_dict_type='sharded'.")
-            save_sharded(checkpoint, path, group=None)
+            if self.saves_in_background(trainer):
+                assert self.background is not None
+                self.background.save(checkpoint, path)  # staged; written while training goes on
+            else:
+                self.complete_background_saves()
+                save_sharded(checkpoint, path, group=None)
             if not self._told_how_to_load:
                 self._told_how_to_load = True
                 rank_zero_info(f"lightning_shard: checkpoints are sharded directories (one file per rank, resumable"

@@ -32,11 +32,11 @@ def report_memory_estimate(strategy: Any, trainer: "pl.Trainer") -> Optional[Mem
     try:
         estimate = estimate_sharded(runtime, strategy.sharding, strategy.prefetch, optimizer,
                                     whole=step is not None and step.whole, step_group_numel=strategy.step_group_size,
-                                    held=held)
+                                    held=held, async_save=strategy.async_save)
     except Exception as err:  # an estimate must never stop training
         rank_zero_warn(f"lightning_shard: no memory estimate ({type(err).__name__}: {err}).")
         return None
-    _add_averages(estimate, runtime, trainer.callbacks, device)
+    _add_averages(estimate, runtime, trainer.callbacks, device, strategy.async_save)
     clip = strategy.offload_overlap_clip
     if clip is not None and (clip[0] is not None or strategy.nonfinite is not None):
         # the overlapped host step's backups of the units it steps before clipping's norm is known (a bound)
@@ -54,8 +54,9 @@ def report_memory_estimate(strategy: Any, trainer: "pl.Trainer") -> Optional[Mem
     host = _host_memory_per_rank(local_ranks)
     if estimate.host and host is not None and estimate.host > host:
         rank_zero_warn(
-            f"lightning_shard: offload keeps an estimated {estimate.host / 2**30:.2f} GiB per rank in host memory,"
-            f" more than the {host / 2**30:.2f} GiB per rank this machine has: expect the host to run out of memory."
+            f"lightning_shard: {estimate.host_uses} keep an estimated {estimate.host / 2**30:.2f} GiB per rank in host"
+            f" memory, more than the {host / 2**30:.2f} GiB per rank this machine has: expect the host to run out of"
+            " memory."
         )
     return estimate
 
@@ -64,23 +65,27 @@ def compact_report(estimate: MemoryEstimate, largest: int = 3) -> str:
     """The setup's default lines: the peak per rank before activations, its ``largest`` parts by the table's row
     names, and where the rest is."""
     parts = sorted(((k, v) for k, v in estimate.peak_parts().items() if v > 0), key=lambda kv: -kv[1])[:largest]
-    host = f"; in host memory {estimate.host / MiB:.1f} MiB (offload)" if estimate.host else ""
+    host = f"; in host memory {estimate.host / MiB:.1f} MiB ({estimate.host_uses})" if estimate.host else ""
     return (f"lightning_shard: estimated peak per rank before activations {estimate.peak / MiB:.1f} MiB, most of it "
             + ", ".join(f"{name} {value / MiB:.1f}" for name, value in parts) + f" MiB{host}\n"
             "  every row: this log at DEBUG level, or python -m lightning_shard.estimate (which adds activations);"
             " what each row means: docs/memory.md")
 
 
-def _add_averages(estimate: MemoryEstimate, runtime: ShardRuntime, callbacks: list, device: torch.device) -> None:
+def _add_averages(estimate: MemoryEstimate, runtime: ShardRuntime, callbacks: list, device: torch.device,
+                  async_save: bool = False) -> None:
     """What callbacks keep beside the shards (``ShardedWeightAveraging``, ``ShardedEMA``: an average of the weights),
-    on the device or in host memory. Asked of each callback by its ``estimated_bytes`` rather than looked up by class:
-    the averaging callbacks import the strategy, which imports this module."""
+    on the device or in host memory, and saved in checkpoints (staged too under ``async_save``). Asked of each callback
+    by its ``estimated_bytes`` rather than looked up by class: the averaging callbacks import the strategy, which
+    imports this module."""
     for callback in callbacks:
         estimated_bytes = getattr(callback, "estimated_bytes", None)
         if callable(estimated_bytes):
             on_device, in_host = estimated_bytes(runtime, device)
             estimate.average += on_device
             estimate.host_resident += in_host
+            if async_save:
+                estimate.checkpoint_staging += on_device + in_host
 
 
 def _same_kind(optimizer: Optimizer) -> Callable[[list], Optimizer]:

@@ -29,7 +29,7 @@ from torch.optim import Optimizer
 
 from lightning_shard.checkpoint.export import save_pretrained
 from lightning_shard.checkpoint.export_checkpoint import RECORD
-from lightning_shard.checkpoint.io import open_checkpoint, validate_state_dict_type
+from lightning_shard.checkpoint.io import open_checkpoint, validate_async_save, validate_state_dict_type
 from lightning_shard.engine.comm.groups import validate_shard_size, validate_sharding
 from lightning_shard.engine.optim.optimizer_step import DEFAULT_STEP_GROUP_NUMEL
 from lightning_shard.engine.optim.optimizers import WHOLE, optimizer_kind
@@ -79,6 +79,8 @@ class ShardStrategy(ParallelStrategy):
         state_dict_type: ``"sharded"`` (each rank writes its shards into a checkpoint directory) or ``"full"``
             (rank 0 writes one ordinary file); either loads on any number of ranks.
         save_frozen: ``False`` leaves frozen parameters out of checkpoints, fingerprinted.
+        async_save: a sharded save during fit copies the state to host memory and returns; the files are written in
+            the background while training goes on (the same checkpoint, crash-safe; one save in flight at a time).
         offload: ``"optimizer"`` (master weights, gradients and optimizer state in host memory, stepped by the
             CPU) or ``"params"`` (also no shard on the device between steps); the same numbers as without.
         offload_overlap: with ``offload``, the CPU steps each unit as its gradient lands, during backward, where
@@ -116,6 +118,7 @@ class ShardStrategy(ParallelStrategy):
         nonfinite: Optional[str] = None,
         state_dict_type: str = "sharded",
         save_frozen: bool = True,
+        async_save: bool = False,
         offload: Optional[str] = None,
         offload_overlap: bool = True,
         elementwise_optimizers: Sequence[type] = (),
@@ -155,6 +158,7 @@ class ShardStrategy(ParallelStrategy):
         self.nonfinite = check_nonfinite(nonfinite)
         self.state_dict_type = validate_state_dict_type(state_dict_type)
         self.save_frozen = check_flag("save_frozen", save_frozen)
+        self.async_save = validate_async_save(async_save, self.state_dict_type)
         self.offload = validate_offload(offload)
         self.offload_overlap = check_flag("offload_overlap", offload_overlap)
         self.offload_overlap_clip: Optional[tuple[Optional[float]]] = None  # decided at setup (offload_overlap.py)
@@ -363,7 +367,8 @@ class ShardStrategy(ParallelStrategy):
     def teardown(self) -> None:
         # Unlike the base class, do not move the module to CPU: that would break its shard views.
         assert self.cluster_environment is not None and self.accelerator is not None
-        self.processes.end_stage(self.runtime, self.lightning_module, self.barrier)
+        self.processes.end_stage(self.runtime, self.lightning_module, self.barrier,
+                                 self.checkpoints.complete_background_saves)
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
@@ -405,6 +410,7 @@ class ShardStrategy(ParallelStrategy):
 
     def on_exception(self, exception: BaseException) -> None:
         self.evaluation.release(exception)
+        self.checkpoints.note_unfinished_save(exception, self.processes.timeout)
         super().on_exception(exception)
 
     # -- checkpoints (checkpointing.py) -------------------------------------------------------------
@@ -427,8 +433,18 @@ class ShardStrategy(ParallelStrategy):
         path = Path(self.broadcast(os.fspath(filepath)))
         if self.runtime is not None:
             checkpoint[RECORD] = self.checkpoints.record(self.runtime, self.optimizers, self.save_frozen)
+        trainer = getattr(self.lightning_module, "_trainer", None)
         self.checkpoints.save(checkpoint, path, storage_options, self.state_dict_type, self.is_global_zero,
-                              self.checkpoint_io)
+                              self.checkpoint_io, trainer)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Under ``async_save``, once the save in flight has committed (until then this may be the newest complete
+        checkpoint)."""
+        self.checkpoints.remove(partial(super().remove_checkpoint, filepath))
+
+    def complete_background_saves(self) -> None:
+        """``async_save``, every rank: wait for the save in flight; raise on every rank, naming it, if it failed."""
+        self.checkpoints.complete_background_saves()
 
     def save_pretrained(self, folder: Union[str, Path], **options: Any) -> Path:
         """The trained model as a Hugging Face folder that ``from_pretrained`` loads (a peft model: its adapter,
@@ -440,6 +456,7 @@ class ShardStrategy(ParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Either format, saved on any number of ranks; checked first, read with ``weights_only=True``."""
         path = Path(self.broadcast(os.fspath(checkpoint_path)))
+        self.checkpoints.complete_background_saves()  # (one being written may be the one asked for)
         return open_checkpoint(path)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

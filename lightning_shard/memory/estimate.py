@@ -77,10 +77,20 @@ class MemoryEstimate:
     host_resident: int = 0
     host_step: int = 0
     average: int = 0  # an average of the weights kept beside the shards on the device (ShardedWeightAveraging)
+    # async_save: host memory a rank keeps for the copy of its checkpoint that is written in the background
+    checkpoint_staging: int = 0
 
     @property
     def host(self) -> int:
-        return self.host_resident + self.host_step
+        """In host memory, beside ``peak``: offload's share and the checkpoint staging."""
+        return self.host_resident + self.host_step + self.checkpoint_staging
+
+    @property
+    def host_uses(self) -> str:
+        """What ``host`` holds, in words."""
+        uses = [name for name, size in (("offload", self.host_resident + self.host_step),
+                                         ("async checkpoint staging", self.checkpoint_staging)) if size]
+        return ", ".join(uses)
 
     @property
     def peak(self) -> int:
@@ -105,11 +115,11 @@ class MemoryEstimate:
 
     def table(self, omit: Sequence[str] = ()) -> str:
         """One row per figure, in MiB; ``omit`` leaves rows out (the setup's estimate has no activations)."""
-        rows = [f"  {name:<17} {value / MiB:10.1f} MiB" for name, value in self.as_dict().items()
+        rows = [f"  {name:<18} {value / MiB:10.1f} MiB" for name, value in self.as_dict().items()
                 if not name.startswith("host") and name not in omit]
-        if self.host:  # offload
+        if self.host:  # offload, async checkpoint staging
             rows[-1] += " on the device"
-            rows.append(f"  {'host':<17} {self.host / MiB:10.1f} MiB in host memory (offload)")
+            rows.append(f"  {'host':<18} {self.host / MiB:10.1f} MiB in host memory ({self.host_uses})")
         return "\n".join(rows)
 
 
@@ -136,6 +146,7 @@ def estimate_memory(
     zero_grad_before_backward: bool = True,
     accumulate_grad_batches: int = 1,
     reduce_during_accumulation: bool = True,
+    async_save: bool = False,
     cast_params: str = "all",
 ) -> MemoryEstimate:
     """Predict one rank's peak memory for training ``model`` sharded over ``world_size`` ranks (under
@@ -153,6 +164,7 @@ def estimate_memory(
     automatic optimization does (the last step's are alive through the forward); ``False``: after the optimizer step.
     ``accumulate_grad_batches``, ``reduce_during_accumulation``: the Trainer's and the strategy's. ``cast_params``:
     which parameters gather in ``param_dtype`` (the precision's policy: ``"autocast"`` under bf16-mixed).
+    ``async_save``: the strategy's; its checkpoint staging is counted in ``host``.
     """
     validate_sharding(sharding)
     offload = validate_offload(offload)
@@ -179,8 +191,16 @@ def estimate_memory(
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     profile = optimizer_profile(optimizer, master, whole, "cpu" if offload else device, host_step=offload is not None)
     held = GradsHeld(zero_grad_before_backward, accumulate_grad_batches, reduce_during_accumulation)
-    return combine(sizes, master, param_dtype, sharding, prefetch, profile, buffers, activations, step_group_numel,
-                   offload, held)
+    estimate = combine(sizes, master, param_dtype, sharding, prefetch, profile, buffers, activations,
+                       step_group_numel, offload, held)
+    estimate.checkpoint_staging = checkpoint_staging(sizes, profile, buffers) if async_save else 0
+    return estimate
+
+
+def checkpoint_staging(sizes: list[UnitSize], optimizer: OptimizerProfile, buffers: int) -> int:
+    """What ``async_save`` copies into host memory and keeps across saves: a rank's master shards (all of them: a
+    checkpoint leaving frozen ones out copies less), its optimizer state and the buffers."""
+    return sum(u.master_bytes for u in sizes) + round(sum(u.stepped for u in sizes) * optimizer.state) + buffers
 
 
 @dataclass(frozen=True)
@@ -294,7 +314,7 @@ def step_scratch(sizes: list[UnitSize], b_master: int, optimizer: OptimizerProfi
 
 def estimate_sharded(runtime: Any, sharding: str, prefetch: int, optimizer: Callable[..., torch.optim.Optimizer],
                      whole: bool = False, step_group_numel: int = DEFAULT_STEP_GROUP_NUMEL,
-                     held: GradsHeld = GradsHeld()) -> MemoryEstimate:
+                     held: GradsHeld = GradsHeld(), async_save: bool = False) -> MemoryEstimate:
     """The estimate, activations excluded, of a model already sharded (what the strategy logs at setup)."""
     sizes = sharded_sizes(runtime)
     # what trains decides the gradients' and the optimizer state's dtypes (a LoRA model: its fp32 adapters)
@@ -303,9 +323,11 @@ def estimate_sharded(runtime: Any, sharding: str, prefetch: int, optimizer: Call
     buffers = sum(b.numel() * b.element_size() for b in runtime.root.buffers())
     profile = optimizer_profile(optimizer, master, whole, first.shard.device,  # offloaded: the host
                                 host_step=first.offloaded)
-    return combine(sizes, master, first.param_dtype, sharding, prefetch, profile, buffers, 0,
-                   step_group_numel, "optimizer" if first.offloaded and first.host.keep_on_device
-                   else "params" if first.offloaded else None, held)
+    estimate = combine(sizes, master, first.param_dtype, sharding, prefetch, profile, buffers, 0,
+                       step_group_numel, "optimizer" if first.offloaded and first.host.keep_on_device
+                       else "params" if first.offloaded else None, held)
+    estimate.checkpoint_staging = checkpoint_staging(sizes, profile, buffers) if async_save else 0
+    return estimate
 
 
 def optimizer_profile(optimizer: Callable[..., torch.optim.Optimizer], dtype: torch.dtype, whole: bool = False,

@@ -28,7 +28,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,18 @@ from lightning_shard.engine.runtime.no_sync_marks import NoSyncMarks
 from lightning_shard.engine.storage.unit import Unit
 
 MAX_PENDING_REDUCTIONS = 1  # overlapping the next unit's backward
+
+
+class BackgroundWork(Protocol):
+    """Work a rank runs beside training (a checkpoint written in the background: checkpoint/async_save.py), whose
+    failure the ranks learn together: each rank's :meth:`failed` rides on a step's first agreement, and where any rank's
+    did, every rank calls :meth:`raise_failure` at the same point of that step."""
+
+    def failed(self) -> bool:
+        """This rank's work has failed (no wait, no collective)."""
+
+    def raise_failure(self) -> None:
+        """Some rank's work failed: raise, naming it (after this rank's own work has ended)."""
 
 
 @dataclass
@@ -90,6 +102,7 @@ class GradientReducer:
         self._handed: list[Unit] = []  # one rank: units whose gradients go to their shards as they are, at the end
         self.left_unreduced = False  # the last backward ran inside no_sync(): the gathered parameters hold gradients
         self.host_stepper = host_stepper  # offload's overlapped step (host_step.py): takes gradients as they land
+        self.background: Optional[BackgroundWork] = None  # checked with the parameters to train, at a step's start
 
     @property
     def in_flight(self) -> bool:
@@ -176,14 +189,17 @@ class GradientReducer:
         the others train is an error there, not mismatched collectives."""
         self.check_trainable()  # a step that ran no backward left its comparison unchecked
         trained = self._trained()
+        failed = int(self.background is not None and self.background.failed())  # the same collective: no extra cost
         self._trainable_check = collectives.start_agreement(
-            torch.tensor([trained, -trained]), self.agreements, self.stats,
+            torch.tensor([trained, -trained, failed]), self.agreements, self.stats,
             label="agreement on the parameters to train")
 
     def check_trainable(self) -> None:
         if self._trainable_check is not None:
-            high, low = self._trainable_check.wait().tolist()
+            high, low, failed = self._trainable_check.wait().tolist()
             self._trainable_check = None
+            if failed and self.background is not None:
+                self.background.raise_failure()
             if high != -low:
                 raise _different_trainables()
 

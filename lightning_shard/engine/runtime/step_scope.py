@@ -95,7 +95,10 @@ class StepScope:
             for unit in self.units:
                 follow_requires_grad(unit)
             if step and self.world_size > 1 and torch.is_grad_enabled():
-                self.reducer.compare_trainable()
+                self.reducer.compare_trainable()  # (with whether work in the background failed on any rank)
+            elif step and self.world_size == 1 and self.reducer.background is not None:
+                if self.reducer.background.failed():  # one rank: nothing to agree on
+                    self.reducer.background.raise_failure()
             if step:
                 # DDP's broadcast_buffers: the next step starts from rank 0's buffers if this one may change them
                 self.buffers.before_step(may_change=torch.is_grad_enabled() and self.reducer.sync_grads)
