@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import lightning.pytorch as pl
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.plugins.layer_sync import LayerSync
 from lightning.pytorch.utilities.rank_zero import rank_zero_debug, rank_zero_info
 
@@ -71,11 +70,9 @@ def shard_model(strategy: Any, layer_sync: Optional[LayerSync]) -> None:
 
 
 def prepare_fit(strategy: Any, trainer: "pl.Trainer") -> None:
-    """A fit's setup, once the optimizers are attached: their state on the device, what the callbacks ask refused or
-    summarised, and what the strategy decides for the whole fit (gradients freed after each step, offload's overlap,
-    the memory estimate)."""
-    if strategy.offload is None:  # offloaded, the state lives beside the host shards (Adagrad builds it at setup)
-        _optimizers_to_device(strategy.optimizers, strategy.root_device)
+    """A fit's setup, once the optimizers are attached and their state moved (the strategy's setup): what the callbacks
+    ask refused or summarised, and what the strategy decides for the whole fit (gradients freed after each step,
+    offload's overlap, the memory estimate)."""
     refuse_weight_averaging(trainer.callbacks)
     refuse_pruning(trainer.callbacks)
     strategy.checkpoints.check_module_state_dict(strategy.runtime, strategy.state_dict_type)

@@ -15,6 +15,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.core.optimizer import LightningOptimizer, _MockOptimizer
@@ -230,6 +231,8 @@ class ShardStrategy(ParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
+            if self.offload is None:  # offloaded, the state lives beside the host shards (Adagrad builds it at setup)
+                _optimizers_to_device(self.optimizers, self.root_device)
             prepare_fit(self, trainer)
 
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:
