@@ -128,3 +128,39 @@ def _failed_backward(model: torch.nn.Module, batch: torch.Tensor) -> bool:
         hook.remove()
     return False
 
+
+
+def backward_inside_the_hold(rank: int, world: int) -> dict:
+    """An RL-style step: the policy's loss computed, then generation with every unit held, and the loss's backward run
+    inside the hold (its graph made before it). The backward reduces as usual and leaves the held units gathered for
+    the generation that follows; the weights and the tokens are DDP's."""
+    g = torch.Generator().manual_seed(7)
+    batches = [models.TinyGPT.batch(g, 12) for _ in range(3)]
+    torch.manual_seed(0)
+    reference = models.TinyGPT()
+    sharded = copy.deepcopy(reference)
+    ddp = DDP(reference)
+    runtime = shard_module(sharded, units=["Block"], prefetch=1)
+    report: dict = {"tokens_equal": [], "weights": []}
+    for model in (ddp, sharded):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for step, batch in enumerate(batches):
+            loss = models.TinyGPT.loss(model, batch.chunk(world)[rank], step)
+            prompt = batch[rank * 2: rank * 2 + 2, :3]
+            if model is ddp:
+                loss.backward()
+                tokens, _ = greedy(reference, prompt, 2 + rank)
+                report.setdefault("expected", []).append(tokens)
+            else:
+                with runtime.keep_gathered():
+                    loss.backward()
+                    tokens, _ = greedy(sharded, prompt, 2 + rank)
+                report["tokens_equal"].append(torch.equal(tokens, report["expected"][step]))
+            opt.step()
+            opt.zero_grad()
+    with runtime.keep_gathered():
+        report["max_diff"] = max((a - b).abs().max().item()
+                                 for a, b in zip(sharded.parameters(), reference.parameters()))
+    report["freed"] = all(not unit.is_gathered for unit in runtime.units)
+    del report["expected"]
+    return report

@@ -34,3 +34,12 @@ def test_a_model_called_below_the_root_outside_any_step_trains_and_generates():
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=1e-6)
         assert report["tokens_equal"] and report["logits_close"] and report["freed"], report
 
+
+
+def test_a_backward_inside_the_hold_reduces_and_keeps_the_units_gathered_like_ddp():
+    """A loss computed before ``keep_gathered()`` and backpropagated inside it (generation between a policy's loss and
+    its backward) left the held units freed: the next forward inside failed with a raw torch error."""
+    for report in run_world(eval_scenarios.backward_inside_the_hold, 2, timeout=240):
+        assert report["tokens_equal"] == [True] * 3, report
+        assert report["max_diff"] < 1e-6, report
+        assert report["freed"], report

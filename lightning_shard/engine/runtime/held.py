@@ -52,7 +52,8 @@ class HeldUnits:
     def keep_gathered(self, modifier_rank: Optional[int] = None, units: Optional[list[Unit]] = None) -> Iterator[None]:
         """Hold every unit gathered for a whole evaluation or generation loop. Every rank must enter (one
         all-gather per unit); inside, forwards run no collective at all, so ranks may run different numbers of
-        them (generate to different lengths) without waiting for one another. Forwards without gradients only.
+        them (generate to different lengths) without waiting for one another. Forwards without gradients only; the
+        backward of a graph made before it may run inside (reduced as usual; the units stay held).
         It costs :meth:`held_bytes` for as long as it lasts: the whole model's parameters in the gather dtype.
 
         Writes to the parameters inside (in place, ``p.data = t``, or another Parameter object of the same shape and

@@ -161,7 +161,8 @@ class UnitHooks:
         unit.backward_pending -= 1
         if unit.backward_pending > 0 or unit.unseen_backward or unit.read_outside:  # another call's backward may
             return  # still be running; or code outside the unit computed with it, to the end of backward (outside.py)
-        self.schedule.reshard(unit)  # first: its gathered buffer is free before its gradients are flattened
+        if not self.state.held:  # (keep_gathered() holds it: an earlier graph's backward run inside the hold)
+            self.schedule.reshard(unit)  # first: its gathered buffer is free before its gradients are flattened
         if not unit.returned_parameters:
             self.reducer.reduce(unit)
 
@@ -212,6 +213,8 @@ class UnitHooks:
         the kept graph, if any, is done with)."""
         if not keep_storage:
             self.state.drop_graph()
+        if self.state.held:  # keep_gathered() holds every unit until it ends
+            return
         for unit in self.units:
             if unit is not self.root_unit or self.state.depth == 0:
                 self.schedule.reshard(unit, keep_storage or unit.read_outside)
