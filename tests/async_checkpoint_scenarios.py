@@ -229,6 +229,40 @@ def quick_saves_and_the_last_step(rank: int, world: int, directory: str) -> dict
             "rotated": sorted(p.name for p in Path(directory).glob("epoch=*"))}
 
 
+def names_and_links(rank: int, world: int, directory: str) -> dict:
+    """``ModelCheckpoint`` decides from what is on disk, where a save in flight is not yet. Two fits, every write 0.3 s
+    slower: one reusing a file name (the version counter: ``fixed.ckpt``, ``fixed-v1.ckpt``...) with
+    ``save_last="link"``; one linking ``last`` while rank 1's third write fails (``last`` must stay on the second)."""
+    from lightning_shard import ShardStrategy
+
+    as_lightning_rank(rank, world)
+    original, writes = async_save.StagedWriter.write_data, {"n": 0, "fail_at": None}
+
+    def write_data(self, plan, planner):
+        writes["n"] += 1
+        time.sleep(0.3)
+        if rank == 1 and writes["n"] == writes["fail_at"]:
+            raise OSError(28, "No space left on device (injected)")
+        return original(self, plan, planner)
+
+    async_save.StagedWriter.write_data = write_data
+    out: dict[str, Any] = {}
+    names = os.path.join(directory, "names")
+    _fit(world, names, ShardStrategy(units=["Block"], async_save=True), every=1, filename="fixed", monitor="step",
+         mode="max", save_last="link")
+    out["names"] = sorted(p.name for p in Path(names).iterdir())
+    out["names_last"] = os.readlink(os.path.join(names, "last.ckpt"))
+    writes.update(n=0, fail_at=3)
+    links = os.path.join(directory, "links")
+    try:
+        _fit(world, links, ShardStrategy(units=["Block"], async_save=True, timeout=20), every=1, save_top_k=1,
+             monitor="step", mode="max", save_last="link")
+    except OSError as err:
+        out["error"] = str(err)
+    out["links_last"] = os.readlink(os.path.join(links, "last.ckpt"))
+    return out
+
+
 def complete_saves_equal(rank: int, world: int, directory: str) -> dict:
     """Consolidated, the checkpoints ``first.ckpt`` and ``second.ckpt`` (rank 0)."""
     from lightning_shard.checkpoint.consolidate import consolidate

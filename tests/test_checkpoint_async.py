@@ -177,6 +177,25 @@ def test_two_saves_in_a_row_and_a_save_at_the_last_step_are_complete_when_fit_re
     assert same({k: first[k] for k in MEANT if k in first}, {k: second[k] for k in MEANT if k in second})
 
 
+def test_model_checkpoint_names_and_links_follow_the_save_in_flight(tmp_path):
+    results = run_world(scenarios.names_and_links, 2, str(tmp_path), timeout=300, pg_timeout=20)
+    from lightning_shard.checkpoint import files
+
+    for r in results:
+        # the version counter saw each checkpoint being written as existing: a new name each step, as saving
+        # synchronously gives, none overwritten; `last` linked to the newest once it was complete
+        versions = ["fixed.ckpt"] + [f"fixed-v{i}.ckpt" for i in range(1, scenarios.STEPS)]
+        assert r["names"] == sorted(versions + ["last.ckpt"]), r["names"]
+        assert r["names_last"] == versions[-1]
+        # the third save failed: `last` still links the second, complete (not the unfinished third, which the
+        # version before linked at once, leaving `ckpt_path="last"` nothing to resume from)
+        assert "epoch=0-step=3.ckpt', written in the background, failed" in r["error"], r
+        assert r["links_last"] == "epoch=0-step=2.ckpt"
+    assert (tmp_path / "links" / "last.ckpt" / files.MANIFEST).is_file()
+    for name in versions:
+        assert (tmp_path / "names" / name / files.MANIFEST).is_file(), name
+
+
 @pytest.mark.parametrize(("world", "offload", "sharding"), [(2, None, None), (2, "optimizer", None),
                                                           (4, None, {"sharding": "hybrid", "shard_size": 2})],
                          ids=["full", "offload", "hybrid"])

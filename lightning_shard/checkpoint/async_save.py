@@ -27,6 +27,7 @@ the next training step's first agreement (:meth:`failed` rides on it, engine/run
 from __future__ import annotations
 
 import io
+import os
 import threading
 import time
 import warnings
@@ -112,6 +113,11 @@ class AsyncSaver:
     def in_flight(self) -> Optional[Path]:
         """The checkpoint being written, if any (until :meth:`complete` confirms it)."""
         return self._inflight.path if self._inflight is not None else None
+
+    def writing(self, path: Any) -> bool:
+        """Whether ``path`` is the checkpoint in flight (written, or committed and not yet confirmed): to a
+        ``ModelCheckpoint`` deciding a file name, it exists."""
+        return self._inflight is not None and os.path.abspath(path) == os.path.abspath(self._inflight.path)
 
     @property
     def held_bytes(self) -> int:
@@ -201,8 +207,9 @@ class AsyncSaver:
                 f" ({state}); any previous checkpoint at that path is intact.")
 
     def remove_after(self, remove: Callable[[], None]) -> None:
-        """Remove a checkpoint once the save in flight has committed (at once if none is): a checkpoint rotated
-        away must not go before the one replacing it is complete."""
+        """Remove a checkpoint once the save in flight has committed (at once if none is; never if it fails): a
+        checkpoint rotated away must not go before the one replacing it is complete. Also any other change that
+        must wait for that (``last`` linked to the checkpoint in flight)."""
         inflight = self._inflight
         if inflight is not None:
             with inflight.lock:

@@ -14,8 +14,10 @@ from collections.abc import Mapping
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
-from typing import Any, Optional, Union
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any, Optional, Union
 
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -39,6 +41,9 @@ from lightning_shard.checkpoint.sharded_source import load_model_source, sharded
 from lightning_shard.engine.runtime.averaging import AveragedShards
 from lightning_shard.engine.runtime.hooks import ShardRuntime
 from lightning_shard.lightning.finetuning import readd_finetuning_groups
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +69,8 @@ class CheckpointState:
             self._background = AsyncSaver(timeout=self._timeout, device=self.root_device)
         self._background.setup()
         self.runtime.reducer.background = self._background
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        follow_saves_in_flight(trainer.callbacks if trainer is not None else [])
         estimate = getattr(self, "memory_estimate", None)
         if estimate is not None:  # the first save's host memory, touched ahead of it (checkpoint/staging.py)
             self._background.stager.reserve(estimate.checkpoint_staging, self.root_device)
@@ -223,6 +230,33 @@ class CheckpointState:
                 sharded.load_optimizer_state(self.runtime, optimizer, i, state, source.directory, source.metadata)
             else:
                 load_full_optimizer_state_dict(self.runtime, optimizer, state)
+
+
+def follow_saves_in_flight(callbacks: list) -> None:
+    """``ModelCheckpoint`` decides from what is on disk, where a checkpoint written in the background is not yet: its
+    version counter (a file name used again gets ``-v1``) takes the checkpoint in flight for one that exists, and
+    ``save_last="link"`` links ``last`` to it once it is complete (rank 0, after its commit; never if it fails:
+    ``last`` stays on the newest complete one). Once per callback; the Trainer's strategy looked up at each call."""
+    for callback in callbacks:
+        if not isinstance(callback, ModelCheckpoint) or getattr(callback, "_follows_saves_in_flight", False):
+            continue
+        callback._follows_saves_in_flight = True
+        exists, link = callback.file_exists, callback._link_checkpoint
+
+        def file_exists(filepath: Any, trainer: "pl.Trainer", exists: Any = exists) -> bool:
+            background = getattr(trainer.strategy, "_background", None)
+            return exists(filepath, trainer) or (background is not None and background.writing(filepath))
+
+        def link_checkpoint(trainer: "pl.Trainer", filepath: str, linkpath: str, link: Any = link) -> None:
+            background = getattr(trainer.strategy, "_background", None)
+            if background is None or not background.writing(filepath):
+                return link(trainer, filepath, linkpath)
+            if trainer.is_global_zero:  # Lightning's own link, from the writing thread: rank 0's part, no barrier
+                alone = SimpleNamespace(is_global_zero=True, strategy=SimpleNamespace(barrier=lambda *_: None))
+                background.remove_after(partial(link, alone, filepath, linkpath))
+            trainer.strategy.barrier()
+
+        callback.file_exists, callback._link_checkpoint = file_exists, link_checkpoint
 
 
 def _without(state: dict[str, Any], names: set[str]) -> dict[str, Any]:
