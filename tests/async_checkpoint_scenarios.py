@@ -58,6 +58,10 @@ def _lightning():
         def on_train_start(self, trainer, *args: Any) -> None:
             self.trainer = trainer
 
+        def on_train_end(self, trainer, *args: Any) -> None:  # (the staging memory is given back after this)
+            background = getattr(trainer.strategy, "_background", None)
+            self.held_bytes = background.held_bytes if background is not None else 0
+
     return L, GPTModule, Writes
 
 
@@ -145,9 +149,16 @@ def save_both_ways(rank: int, world: int, directory: str, options: dict) -> dict
     held = patch_writes("hold", rank, trainer_step=lambda: writes.trainer.global_step if writes.trainer else 0)
     background, trainer = _fit(world, os.path.join(directory, "async"), ShardStrategy(units=["Block"], async_save=True,
                                                                                      **options), callbacks=(writes,))
+    after_fit = {"held_bytes": trainer.strategy._background.held_bytes,
+                 "threads": [t.name for t in threading.enumerate() if t.name.startswith("lightning_shard_checkpoint")]}
+    # the same Trainer fits 2 steps more: saving in the background again (held from its first save to its end)
+    trainer.fit_loop.epoch_loop.max_steps = STEPS + 2
+    trainer.fit(background, _loader())
+    again = os.path.join(directory, "async", f"epoch=1-step={STEPS + 2}.ckpt")
     return {"ddp": ddp.losses, "sync": sync.losses, "async": background.losses, "held": held,
-            "staging": trainer.strategy.memory_estimate.checkpoint_staging,
-            "held_bytes": trainer.strategy._background.held_bytes}
+            "staging": trainer.strategy.memory_estimate.checkpoint_staging, "held_bytes": writes.held_bytes,
+            "after_fit": after_fit, "second_fit": (trainer.global_step, os.path.isfile(os.path.join(again, "manifest.json")),
+                                                   writes.held_bytes)}
 
 
 def resume(rank: int, world: int, path: str, options: dict, async_saves: bool) -> dict:

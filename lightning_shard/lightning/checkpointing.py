@@ -86,6 +86,13 @@ class CheckpointState:
         if self._background is not None:
             self._background.complete()
 
+    def release_background_saves(self) -> None:
+        """After :meth:`complete_background_saves` (a stage's teardown): the staging memory (a copy of the rank's
+        checkpoint tensors, pinned on a GPU) and the writing thread given back; the next fit's setup takes them
+        again."""
+        if self._background is not None:
+            self._background.close()
+
     def remove_checkpoint(self, filepath: Any) -> None:
         """A checkpoint rotated away (``ModelCheckpoint``'s top-k, its previous ``last``) goes only once the save in
         flight has committed: until then it may be the newest complete one."""

@@ -33,6 +33,7 @@ class ProcessGroupMixin:
     _timeout: Optional[timedelta]
     _process_group_backend: Optional[str]
     complete_background_saves: Any  # (checkpointing.py)
+    release_background_saves: Any
 
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
@@ -89,7 +90,10 @@ class ProcessGroupMixin:
         assert self.cluster_environment is not None and self.accelerator is not None
         if self._ended_cleanly():
             self._complete_inflight_gathers()
-            self.complete_background_saves()  # async_save: a fit returns once its last save is complete (or raises)
+            try:  # async_save: a fit returns once its last save is complete (or raises)
+                self.complete_background_saves()
+            finally:  # its staging memory and thread given back (taken again at the next fit's setup)
+                self.release_background_saves()
             self.barrier()  # no rank goes on to exit, closing its sockets, while another still communicates
         else:  # a peer may be dead or stuck in a collective: waiting on it, or destroying the group, could hang
             GROUP_AT_EXIT.failed = True
