@@ -224,6 +224,10 @@ def quick_saves_and_the_last_step(rank: int, world: int, directory: str) -> dict
                 trainer.save_checkpoint(os.path.join(directory, "first.ckpt"))
                 trainer.save_checkpoint(os.path.join(directory, "second.ckpt"))
 
+    class AtFitEnd(L.Callback):  # Lightning calls it after the strategy's teardown: saved before fit returns
+        def on_fit_end(self, trainer, *args: Any) -> None:
+            trainer.save_checkpoint(os.path.join(directory, "at_fit_end.ckpt"))
+
     class Complete(L.Callback):  # right after the last step's saves (and the removal of the one each replaces)
         def on_train_batch_start(self, trainer, *args: Any) -> None:
             if trainer.global_step > 0:
@@ -231,10 +235,10 @@ def quick_saves_and_the_last_step(rank: int, world: int, directory: str) -> dict
                 complete_at_each_save.append(bool(rotated))
 
     strategy = ShardStrategy(units=["Block"], async_save=True)
-    _fit(world, directory, strategy, every=1, callbacks=(TwoSaves(), Complete()), monitor="step", mode="max",
-         save_top_k=1)
+    _fit(world, directory, strategy, every=1, callbacks=(TwoSaves(), Complete(), AtFitEnd()), monitor="step",
+         mode="max", save_top_k=1)
     done = {name: (Path(directory) / name / files.MANIFEST).is_file()
-            for name in ("first.ckpt", "second.ckpt", f"epoch=0-step={STEPS}.ckpt")}
+            for name in ("first.ckpt", "second.ckpt", f"epoch=0-step={STEPS}.ckpt", "at_fit_end.ckpt")}
     dist.barrier()
     return {"done": done, "complete_at_each_save": complete_at_each_save,
             "rotated": sorted(p.name for p in Path(directory).glob("epoch=*"))}

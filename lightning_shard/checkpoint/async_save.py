@@ -110,6 +110,11 @@ class AsyncSaver:
             self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning_shard_checkpoint")
 
     @property
+    def open(self) -> bool:
+        """Between :meth:`setup` and :meth:`close`: saves may go to the background."""
+        return self._writer is not None
+
+    @property
     def in_flight(self) -> Optional[Path]:
         """The checkpoint being written, if any (until :meth:`complete` confirms it)."""
         return self._inflight.path if self._inflight is not None else None

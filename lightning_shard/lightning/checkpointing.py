@@ -76,10 +76,11 @@ class CheckpointState:
             self._background.stager.reserve(estimate.checkpoint_staging, self.root_device)
 
     def _saves_in_background(self) -> bool:
-        """During a running fit; other saves (after it, in validate) are written before they return."""
+        """During a running fit, until its teardown (Lightning's ``on_fit_end`` comes after it); other saves (after
+        it, in validate) are written before they return."""
         trainer = getattr(self.lightning_module, "_trainer", None)
-        return (self._background is not None and trainer is not None and trainer.state.fn == TrainerFn.FITTING
-                and trainer.state.status == TrainerStatus.RUNNING)
+        return (self._background is not None and self._background.open and trainer is not None
+                and trainer.state.fn == TrainerFn.FITTING and trainer.state.status == TrainerStatus.RUNNING)
 
     def complete_background_saves(self) -> None:
         """Every rank: wait for the save in flight; raise on every rank, naming it, if it failed on any."""
