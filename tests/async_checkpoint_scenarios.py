@@ -206,6 +206,37 @@ def fails_while_writing(rank: int, world: int, directory: str, mode: str, every:
     return {"error": None, "step": None}
 
 
+def rank0_killed_while_the_next_save_waits(rank: int, world: int, directory: str) -> dict:
+    """Saves ``last.ckpt`` every step; rank 0 (the one that commits) is killed in its second write once both ranks'
+    training threads wait for it (the third save): what rank 1 raised."""
+    from lightning_shard import ShardStrategy
+
+    as_lightning_rank(rank, world)
+    original, original_complete = async_save.StagedWriter.write_data, async_save.AsyncSaver.complete
+    waiting, writes = threading.Event(), {"n": 0}
+
+    def write_data(self, plan, planner):
+        writes["n"] += 1
+        if rank == 0 and writes["n"] == 2:
+            waiting.wait(30)
+            time.sleep(0.3)  # (rank 1 waits too: the ranks call complete together)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(self, plan, planner)
+
+    def complete(self, group=None):
+        waiting.set()
+        return original_complete(self, group)
+
+    async_save.StagedWriter.write_data = write_data
+    async_save.AsyncSaver.complete = complete
+    try:
+        _fit(world, directory, ShardStrategy(units=["Block"], async_save=True, timeout=20), every=1, save_last=True,
+             save_top_k=0)
+    except BaseException as err:  # noqa: BLE001 - the test inspects it
+        return {"error": "".join(traceback.format_exception(err))}
+    return {"error": None}
+
+
 def quick_saves_and_the_last_step(rank: int, world: int, directory: str) -> dict:
     """Two saves in quick succession at step 2 (``trainer.save_checkpoint`` twice), every write slowed down; a
     ``ModelCheckpoint`` saving at the last step, rotating its top 1 (by step); whether each is complete when ``fit``

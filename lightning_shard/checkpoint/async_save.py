@@ -193,7 +193,11 @@ class AsyncSaver:
         if inflight is None:  # (the same on every rank: saves start together)
             return
         error = inflight.error()
-        failures = sorted({e for e in from_every_rank(error, group) if e})  # (one failure, seen by every rank)
+        try:
+            failures = sorted({e for e in from_every_rank(error, group) if e})  # (one failure, seen by every rank)
+        except BaseException:
+            self._inflight = inflight  # not agreed (a peer died): the strategy's on_exception names it
+            raise
         if failures:
             raise _failure(inflight.path, failures)
         self.last_seconds = inflight.seconds
@@ -263,9 +267,10 @@ def _write_bytes(path: Path, data: bytes) -> None:
 
 
 def _remove_quietly(remove: Callable[[], None]) -> None:
-    """A rotated checkpoint that cannot be removed is left, said once: the save that replaced it is complete."""
+    """A rotated checkpoint that cannot be removed (or ``last`` not relinked) is left, said once: the save that
+    replaced it is complete."""
     try:
         remove()
     except Exception as err:  # noqa: BLE001 - a leftover, not a failed save
-        warnings.warn(f"lightning_shard: removing an older checkpoint after a save failed ({err}); it is left in"
-                      " place.", stacklevel=2)
+        warnings.warn(f"lightning_shard: a checkpoint written in the background is complete, but removing or linking"
+                      f" an older one after it failed ({err}); that one is left as it was.", stacklevel=2)
