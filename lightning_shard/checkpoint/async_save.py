@@ -189,15 +189,14 @@ class AsyncSaver:
 
     def complete(self, group: Optional[dist.ProcessGroup] = None) -> None:
         """Wait for the save in flight (every rank); raise on every rank if it failed on any, naming it."""
-        inflight, self._inflight = self._inflight, None
+        inflight = self._inflight
         if inflight is None:  # (the same on every rank: saves start together)
             return
+        # interrupted here (a peer died, a KeyboardInterrupt), it stays in flight: the strategy's on_exception waits
+        # for it on this rank and names it
         error = inflight.error()
-        try:
-            failures = sorted({e for e in from_every_rank(error, group) if e})  # (one failure, seen by every rank)
-        except BaseException:
-            self._inflight = inflight  # not agreed (a peer died): the strategy's on_exception names it
-            raise
+        failures = sorted({e for e in from_every_rank(error, group) if e})  # (one failure, seen by every rank)
+        self._inflight = None
         if failures:
             raise _failure(inflight.path, failures)
         self.last_seconds = inflight.seconds
