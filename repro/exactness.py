@@ -18,6 +18,7 @@ CASES = {
     "amsgrad_onecycle_accum": dict(optimizer="amsgrad", scheduler="onecycle", accumulate=2, ema=False),
     "sgd_momentum_ema": dict(optimizer="sgd", scheduler="step", accumulate=1, ema=True),
     "adagrad_val": dict(optimizer="adagrad", scheduler="none", accumulate=1, ema=False),
+    "weights_only_between": dict(optimizer="adamw", scheduler="step", accumulate=1, ema=False, weights_only=True),
 }
 
 
@@ -41,6 +42,9 @@ def scenario(rank, world, directory, case, async_save_):
                                  save_last=True),
                  ModelCheckpoint(dirpath=os.path.join(directory, "val"), monitor="val_loss", save_top_k=-1,
                                  filename="{step}")]
+    if options.get("weights_only"):  # a weights-only save between full ones: the staged layout changes each time
+        callbacks.append(ModelCheckpoint(dirpath=os.path.join(directory, "weights"), every_n_train_steps=1,
+                                         save_top_k=-1, save_weights_only=True))
     if options["ema"]:
         callbacks.append(ShardedEMA(decay=0.5))
     t = common.trainer(world, ShardStrategy(units=["Block"], async_save=async_save_), callbacks, max_steps=6,
