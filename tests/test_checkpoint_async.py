@@ -53,8 +53,9 @@ def test_async_checkpoints_are_the_synchronous_ones_and_resume_on_three_ranks_bi
     # the rounding of a sharded reduction
     assert saved["async"][:scenarios.STEPS] == saved["sync"] and len(saved["sync"]) == scenarios.STEPS
     torch.testing.assert_close(torch.tensor(saved["sync"]), torch.tensor(saved["ddp"]), rtol=1e-5, atol=1e-6)
-    # each save at steps 2 and 4 was written after the next optimizer step had changed the shards it copied
-    assert [ran[0] for ran in saved["held"][:2]] == [1, 1], saved["held"]
+    # each save at steps 2 and 4 was written after the next optimizer step had changed the shards it copied (or the
+    # next two: a loaded machine wakes the held writer late)
+    assert all(ran[0] >= 1 for ran in saved["held"][:2]), saved["held"]
     # the host memory kept for staging, reserved at setup: what the estimate counted (shards, AdamW's two moments,
     # buffers), 1% and 1 MiB more
     assert saved["held_bytes"] == saved["staging"] + saved["staging"] // 100 + 2**20, saved
