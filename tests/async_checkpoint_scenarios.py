@@ -58,6 +58,10 @@ def _lightning():
         def on_train_start(self, trainer, *args: Any) -> None:
             self.trainer = trainer
 
+        def on_train_end(self, trainer, *args: Any) -> None:  # (the staging memory is given back after this)
+            background = trainer.strategy.checkpoints.background
+            self.held_bytes = background.held_bytes if background is not None else 0
+
     return L, GPTModule, Writes
 
 
@@ -145,9 +149,16 @@ def save_both_ways(rank: int, world: int, directory: str, options: dict) -> dict
     held = patch_writes("hold", rank, trainer_step=lambda: writes.trainer.global_step if writes.trainer else 0)
     background, trainer = _fit(world, os.path.join(directory, "async"), ShardStrategy(units=["Block"], async_save=True,
                                                                                      **options), callbacks=(writes,))
+    after_fit = {"held_bytes": trainer.strategy.checkpoints.background.held_bytes,
+                 "threads": [t.name for t in threading.enumerate() if t.name.startswith("lightning_shard_checkpoint")]}
+    # the same Trainer fits 2 steps more: saving in the background again (held from its first save to its end)
+    trainer.fit_loop.epoch_loop.max_steps = STEPS + 2
+    trainer.fit(background, _loader())
+    again = os.path.join(directory, "async", f"epoch=1-step={STEPS + 2}.ckpt")
     return {"ddp": ddp.losses, "sync": sync.losses, "async": background.losses, "held": held,
-            "staging": trainer.strategy.memory_estimate.checkpoint_staging,
-            "held_bytes": trainer.strategy.checkpoints.background.held_bytes}
+            "staging": trainer.strategy.memory_estimate.checkpoint_staging, "held_bytes": writes.held_bytes,
+            "after_fit": after_fit, "second_fit": (trainer.global_step, os.path.isfile(os.path.join(again, "manifest.json")),
+                                                   writes.held_bytes)}
 
 
 def resume(rank: int, world: int, path: str, options: dict, async_saves: bool) -> dict:
@@ -195,6 +206,37 @@ def fails_while_writing(rank: int, world: int, directory: str, mode: str, every:
     return {"error": None, "step": None}
 
 
+def rank0_killed_while_the_next_save_waits(rank: int, world: int, directory: str) -> dict:
+    """Saves ``last.ckpt`` every step; rank 0 (the one that commits) is killed in its second write once both ranks'
+    training threads wait for it (the third save): what rank 1 raised."""
+    from lightning_shard import ShardStrategy
+
+    as_lightning_rank(rank, world)
+    original, original_complete = async_save.StagedWriter.write_data, async_save.AsyncSaver.complete
+    waiting, writes = threading.Event(), {"n": 0}
+
+    def write_data(self, plan, planner):
+        writes["n"] += 1
+        if rank == 0 and writes["n"] == 2:
+            waiting.wait(30)
+            time.sleep(0.3)  # (rank 1 waits too: the ranks call complete together)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(self, plan, planner)
+
+    def complete(self, group=None):
+        waiting.set()
+        return original_complete(self, group)
+
+    async_save.StagedWriter.write_data = write_data
+    async_save.AsyncSaver.complete = complete
+    try:
+        _fit(world, directory, ShardStrategy(units=["Block"], async_save=True, timeout=20), every=1, save_last=True,
+             save_top_k=0)
+    except BaseException as err:  # noqa: BLE001 - the test inspects it
+        return {"error": "".join(traceback.format_exception(err))}
+    return {"error": None}
+
+
 def quick_saves_and_the_last_step(rank: int, world: int, directory: str) -> dict:
     """Two saves in quick succession at step 2 (``trainer.save_checkpoint`` twice), every write slowed down; a
     ``ModelCheckpoint`` saving at the last step, rotating its top 1 (by step); whether each is complete when ``fit``
@@ -213,6 +255,10 @@ def quick_saves_and_the_last_step(rank: int, world: int, directory: str) -> dict
                 trainer.save_checkpoint(os.path.join(directory, "first.ckpt"))
                 trainer.save_checkpoint(os.path.join(directory, "second.ckpt"))
 
+    class AtFitEnd(L.Callback):  # Lightning calls it after the strategy's teardown: saved before fit returns
+        def on_fit_end(self, trainer, *args: Any) -> None:
+            trainer.save_checkpoint(os.path.join(directory, "at_fit_end.ckpt"))
+
     class Complete(L.Callback):  # right after the last step's saves (and the removal of the one each replaces)
         def on_train_batch_start(self, trainer, *args: Any) -> None:
             if trainer.global_step > 0:
@@ -220,13 +266,47 @@ def quick_saves_and_the_last_step(rank: int, world: int, directory: str) -> dict
                 complete_at_each_save.append(bool(rotated))
 
     strategy = ShardStrategy(units=["Block"], async_save=True)
-    _fit(world, directory, strategy, every=1, callbacks=(TwoSaves(), Complete()), monitor="step", mode="max",
-         save_top_k=1)
+    _fit(world, directory, strategy, every=1, callbacks=(TwoSaves(), Complete(), AtFitEnd()), monitor="step",
+         mode="max", save_top_k=1)
     done = {name: (Path(directory) / name / files.MANIFEST).is_file()
-            for name in ("first.ckpt", "second.ckpt", f"epoch=0-step={STEPS}.ckpt")}
+            for name in ("first.ckpt", "second.ckpt", f"epoch=0-step={STEPS}.ckpt", "at_fit_end.ckpt")}
     dist.barrier()
     return {"done": done, "complete_at_each_save": complete_at_each_save,
             "rotated": sorted(p.name for p in Path(directory).glob("epoch=*"))}
+
+
+def names_and_links(rank: int, world: int, directory: str) -> dict:
+    """``ModelCheckpoint`` decides from what is on disk, where a save in flight is not yet. Two fits, every write 0.3 s
+    slower: one reusing a file name (the version counter: ``fixed.ckpt``, ``fixed-v1.ckpt``...) with
+    ``save_last="link"``; one linking ``last`` while rank 1's third write fails (``last`` must stay on the second)."""
+    from lightning_shard import ShardStrategy
+
+    as_lightning_rank(rank, world)
+    original, writes = async_save.StagedWriter.write_data, {"n": 0, "fail_at": None}
+
+    def write_data(self, plan, planner):
+        writes["n"] += 1
+        time.sleep(0.3)
+        if rank == 1 and writes["n"] == writes["fail_at"]:
+            raise OSError(28, "No space left on device (injected)")
+        return original(self, plan, planner)
+
+    async_save.StagedWriter.write_data = write_data
+    out: dict[str, Any] = {}
+    names = os.path.join(directory, "names")
+    _fit(world, names, ShardStrategy(units=["Block"], async_save=True), every=1, filename="fixed", monitor="step",
+         mode="max", save_last="link")
+    out["names"] = sorted(p.name for p in Path(names).iterdir())
+    out["names_last"] = os.readlink(os.path.join(names, "last.ckpt"))
+    writes.update(n=0, fail_at=3)
+    links = os.path.join(directory, "links")
+    try:
+        _fit(world, links, ShardStrategy(units=["Block"], async_save=True, timeout=20), every=1, save_top_k=1,
+             monitor="step", mode="max", save_last="link")
+    except OSError as err:
+        out["error"] = str(err)
+    out["links_last"] = os.readlink(os.path.join(links, "last.ckpt"))
+    return out
 
 
 def complete_saves_equal(rank: int, world: int, directory: str) -> dict:

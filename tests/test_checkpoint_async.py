@@ -51,13 +51,17 @@ def test_async_checkpoints_are_the_synchronous_ones_and_resume_on_three_ranks_bi
     saved = run_world(scenarios.save_both_ways, 2, str(tmp_path), options, timeout=500)[0]
     # saving in the background changes nothing of training: the synchronous run's losses, to the bit; DDP's within
     # the rounding of a sharded reduction
-    assert saved["async"] == saved["sync"] and len(saved["sync"]) == scenarios.STEPS
+    assert saved["async"][:scenarios.STEPS] == saved["sync"] and len(saved["sync"]) == scenarios.STEPS
     torch.testing.assert_close(torch.tensor(saved["sync"]), torch.tensor(saved["ddp"]), rtol=1e-5, atol=1e-6)
-    # each save at steps 2 and 4 was written after the next optimizer step had changed the shards it copied
-    assert [ran[0] for ran in saved["held"][:2]] == [1, 1], saved["held"]
+    # each save at steps 2 and 4 was written after the next optimizer step had changed the shards it copied (or the
+    # next two: a loaded machine wakes the held writer late)
+    assert all(ran[0] >= 1 for ran in saved["held"][:2]), saved["held"]
     # the host memory kept for staging, reserved at setup: what the estimate counted (shards, AdamW's two moments,
     # buffers), 1% and 1 MiB more
     assert saved["held_bytes"] == saved["staging"] + saved["staging"] // 100 + 2**20, saved
+    # given back when fit returns (its thread too), taken again by the same Trainer's next fit, which saves again
+    assert saved["after_fit"] == {"held_bytes": 0, "threads": []}, saved["after_fit"]
+    assert saved["second_fit"] == (scenarios.STEPS + 2, True, saved["held_bytes"]), saved["second_fit"]
     for step in (2, 4, 6):
         name = f"epoch=0-step={step}.ckpt"
         assert same(consolidated(tmp_path / "async" / name), consolidated(tmp_path / "sync" / name)), name
@@ -83,7 +87,7 @@ def base(tmp_path_factory):
 
 def test_mixed_dtype_units_without_their_frozen_base_resume_from_an_async_checkpoint_bit_for_bit(base, tmp_path):
     saved = run_world(scenarios.lora_both_ways, 2, str(base), str(tmp_path), timeout=500)[0]
-    assert saved["async"] == saved["sync"] and saved["held"][0] == [1]
+    assert saved["async"] == saved["sync"] and saved["held"][0][0] >= 1  # (a step or two ran before the write)
     for step in (2, 4):
         name = f"epoch=0-step={step}.ckpt"
         assert same(consolidated(tmp_path / "async" / name), consolidated(tmp_path / "sync" / name)), name
@@ -144,6 +148,20 @@ def test_a_rank_killed_while_it_writes_leaves_the_previous_checkpoint_and_the_ot
     _previous_checkpoint_is_the_one_found(tmp_path)
 
 
+def test_rank_0_killed_while_the_next_save_waits_for_its_write_the_error_names_the_checkpoint(tmp_path):
+    results = run_world(scenarios.rank0_killed_while_the_next_save_waits, 2, str(tmp_path), may_die=(0,),
+                        pg_timeout=20, timeout=300)
+    assert results[0] is None  # killed
+    error = results[1]["error"]  # rank 1: the next save's agreement on the one in flight failed (no hang)
+    assert error is not None and "in complete" in error, error
+    if sys.version_info >= (3, 11):  # (a note on the exception; logged as an error on 3.10)
+        assert f"the checkpoint {str(tmp_path / 'last.ckpt')!r}, written in the background, did not complete" in error
+    from lightning_shard.checkpoint import files
+
+    assert consolidated(tmp_path / "last.ckpt")["global_step"] == 1  # the first save's, complete
+    assert not (files.partial_path(tmp_path / "last.ckpt") / files.MANIFEST).exists()
+
+
 def _previous_checkpoint_is_the_one_found(directory: Path) -> None:
     """``last.ckpt`` is the first save's, complete; the second save's files are only under ``last.ckpt.partial``,
     which Lightning's ``ckpt_path="last"`` does not see; a fit resumes from it."""
@@ -164,7 +182,9 @@ def test_two_saves_in_a_row_and_a_save_at_the_last_step_are_complete_when_fit_re
     results = run_world(scenarios.quick_saves_and_the_last_step, 2, str(tmp_path), timeout=300)
     for r in results:
         # fit returned after every save had committed (each write took 0.5 s more)
-        assert r["done"] == {"first.ckpt": True, "second.ckpt": True, f"epoch=0-step={scenarios.STEPS}.ckpt": True}
+        # (and a callback's save in on_fit_end, which Lightning calls after the strategy's teardown)
+        assert r["done"] == {"first.ckpt": True, "second.ckpt": True, f"epoch=0-step={scenarios.STEPS}.ckpt": True,
+                             "at_fit_end.ckpt": True}
         # ModelCheckpoint's top 1 rotated at every step: the checkpoint it replaced went only once the new one was
         # complete, so from the first commit on there was always a complete one (the first was still being written
         # when step 2 began)
@@ -175,6 +195,25 @@ def test_two_saves_in_a_row_and_a_save_at_the_last_step_are_complete_when_fit_re
     first, second = (saves[n] for n in ("first.ckpt", "second.ckpt"))
     assert first["global_step"] == second["global_step"] == 2
     assert same({k: first[k] for k in MEANT if k in first}, {k: second[k] for k in MEANT if k in second})
+
+
+def test_model_checkpoint_names_and_links_follow_the_save_in_flight(tmp_path):
+    results = run_world(scenarios.names_and_links, 2, str(tmp_path), timeout=300, pg_timeout=20)
+    from lightning_shard.checkpoint import files
+
+    for r in results:
+        # the version counter saw each checkpoint being written as existing: a new name each step, as saving
+        # synchronously gives, none overwritten; `last` linked to the newest once it was complete
+        versions = ["fixed.ckpt"] + [f"fixed-v{i}.ckpt" for i in range(1, scenarios.STEPS)]
+        assert r["names"] == sorted(versions + ["last.ckpt"]), r["names"]
+        assert r["names_last"] == versions[-1]
+        # the third save failed: `last` still links the second, complete (not the unfinished third, which the
+        # version before linked at once, leaving `ckpt_path="last"` nothing to resume from)
+        assert "epoch=0-step=3.ckpt', written in the background, failed" in r["error"], r
+        assert r["links_last"] == "epoch=0-step=2.ckpt"
+    assert (tmp_path / "links" / "last.ckpt" / files.MANIFEST).is_file()
+    for name in versions:
+        assert (tmp_path / "names" / name / files.MANIFEST).is_file(), name
 
 
 @pytest.mark.parametrize(("world", "offload", "sharding"), [(2, None, None), (2, "optimizer", None),

@@ -27,6 +27,7 @@ the next training step's first agreement (:meth:`failed` rides on it, engine/run
 from __future__ import annotations
 
 import io
+import os
 import threading
 import time
 import warnings
@@ -109,9 +110,19 @@ class AsyncSaver:
             self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning_shard_checkpoint")
 
     @property
+    def open(self) -> bool:
+        """Between :meth:`setup` and :meth:`close`: saves may go to the background."""
+        return self._writer is not None
+
+    @property
     def in_flight(self) -> Optional[Path]:
         """The checkpoint being written, if any (until :meth:`complete` confirms it)."""
         return self._inflight.path if self._inflight is not None else None
+
+    def writing(self, path: Any) -> bool:
+        """Whether ``path`` is the checkpoint in flight (written, or committed and not yet confirmed): to a
+        ``ModelCheckpoint`` deciding a file name, it exists."""
+        return self._inflight is not None and os.path.abspath(path) == os.path.abspath(self._inflight.path)
 
     @property
     def held_bytes(self) -> int:
@@ -178,11 +189,14 @@ class AsyncSaver:
 
     def complete(self, group: Optional[dist.ProcessGroup] = None) -> None:
         """Wait for the save in flight (every rank); raise on every rank if it failed on any, naming it."""
-        inflight, self._inflight = self._inflight, None
+        inflight = self._inflight
         if inflight is None:  # (the same on every rank: saves start together)
             return
+        # interrupted here (a peer died, a KeyboardInterrupt), it stays in flight: the strategy's on_exception waits
+        # for it on this rank and names it
         error = inflight.error()
         failures = sorted({e for e in from_every_rank(error, group) if e})  # (one failure, seen by every rank)
+        self._inflight = None
         if failures:
             raise _failure(inflight.path, failures)
         self.last_seconds = inflight.seconds
@@ -201,8 +215,9 @@ class AsyncSaver:
                 f" ({state}); any previous checkpoint at that path is intact.")
 
     def remove_after(self, remove: Callable[[], None]) -> None:
-        """Remove a checkpoint once the save in flight has committed (at once if none is): a checkpoint rotated
-        away must not go before the one replacing it is complete."""
+        """Remove a checkpoint once the save in flight has committed (at once if none is; never if it fails): a
+        checkpoint rotated away must not go before the one replacing it is complete. Also any other change that
+        must wait for that (``last`` linked to the checkpoint in flight)."""
         inflight = self._inflight
         if inflight is not None:
             with inflight.lock:
@@ -251,9 +266,10 @@ def _write_bytes(path: Path, data: bytes) -> None:
 
 
 def _remove_quietly(remove: Callable[[], None]) -> None:
-    """A rotated checkpoint that cannot be removed is left, said once: the save that replaced it is complete."""
+    """A rotated checkpoint that cannot be removed (or ``last`` not relinked) is left, said once: the save that
+    replaced it is complete."""
     try:
         remove()
     except Exception as err:  # noqa: BLE001 - a leftover, not a failed save
-        warnings.warn(f"lightning_shard: removing an older checkpoint after a save failed ({err}); it is left in"
-                      " place.", stacklevel=2)
+        warnings.warn(f"lightning_shard: a checkpoint written in the background is complete, but removing or linking"
+                      f" an older one after it failed ({err}); that one is left as it was.", stacklevel=2)

@@ -84,4 +84,4 @@ def prepare_fit(strategy: Any, trainer: "pl.Trainer") -> None:
     strategy.memory_estimate = report_memory_estimate(strategy, trainer)
     if strategy.async_save:
         strategy.checkpoints.prepare_background_saves(strategy.runtime, strategy.processes.timeout,
-                                                      strategy.root_device, strategy.memory_estimate)
+                                                      strategy.root_device, strategy.memory_estimate, trainer.callbacks)

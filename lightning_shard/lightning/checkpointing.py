@@ -11,11 +11,14 @@ import shlex
 import sys
 from collections.abc import Mapping
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Optional
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -40,6 +43,9 @@ from lightning_shard.engine.runtime.hooks import ShardRuntime
 from lightning_shard.lightning.finetuning import readd_finetuning_groups
 from lightning_shard.memory.estimate import MemoryEstimate
 
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
 log = logging.getLogger(__name__)
 
 
@@ -53,25 +59,38 @@ class CheckpointState:
 
     # -- async_save ---------------------------------------------------------------------------------------------------
     def prepare_background_saves(self, runtime: ShardRuntime, timeout: Optional[timedelta], device: torch.device,
-                                 estimate: Optional[MemoryEstimate]) -> None:
-        """At a fit's setup: the process group of the background writes (every rank), and the step's first agreement
-        told of their failures (the engine's ``reducer.background``)."""
+                                 estimate: Optional[MemoryEstimate], callbacks: list) -> None:
+        """At a fit's setup: the process group of the background writes (every rank), the step's first agreement
+        told of their failures (the engine's ``reducer.background``), and the ``ModelCheckpoint`` callbacks of the
+        checkpoints in flight."""
         if self.background is None:
             self.background = AsyncSaver(timeout=timeout, device=device)
         self.background.setup()
         runtime.reducer.background = self.background
+        follow_saves_in_flight(callbacks)
         if estimate is not None:  # the first save's host memory, touched ahead of it (checkpoint/staging.py)
             self.background.stager.reserve(estimate.checkpoint_staging, device)
 
     def saves_in_background(self, trainer: Any) -> bool:
-        """During a running fit; other saves (after it, in validate) are written before they return."""
-        return (self.background is not None and trainer is not None and trainer.state.fn == TrainerFn.FITTING
-                and trainer.state.status == TrainerStatus.RUNNING)
+        """During a running fit, until its teardown (Lightning's ``on_fit_end`` comes after it); other saves (after
+        it, in validate) are written before they return."""
+        return (self.background is not None and self.background.open and trainer is not None
+                and trainer.state.fn == TrainerFn.FITTING and trainer.state.status == TrainerStatus.RUNNING)
 
     def complete_background_saves(self) -> None:
         """Every rank: wait for the save in flight; raise on every rank, naming it, if it failed on any."""
         if self.background is not None:
             self.background.complete()
+
+    def finish_background_saves(self) -> None:
+        """A stage's end, every rank: :meth:`complete_background_saves`, then the staging memory (a copy of the rank's
+        checkpoint tensors, pinned on a GPU) and the writing thread given back; the next fit's setup takes them
+        again."""
+        try:
+            self.complete_background_saves()
+        finally:
+            if self.background is not None:
+                self.background.close()
 
     def remove(self, remove: Callable[[], None]) -> None:
         """A checkpoint rotated away (``ModelCheckpoint``'s top-k, its previous ``last``) goes only once the save in
@@ -201,6 +220,38 @@ class CheckpointState:
                 sharded.load_optimizer_state(runtime, optimizer, i, state, source.directory, source.metadata)
             else:
                 load_full_optimizer_state_dict(runtime, optimizer, state)
+
+
+def follow_saves_in_flight(callbacks: list) -> None:
+    """``ModelCheckpoint`` decides from what is on disk, where a checkpoint written in the background is not yet: its
+    version counter (a file name used again gets ``-v1``) takes the checkpoint in flight for one that exists, and
+    ``save_last="link"`` links ``last`` to it once it is complete (rank 0, after its commit; never if it fails:
+    ``last`` stays on the newest complete one). Once per callback; the Trainer's strategy looked up at each call."""
+    for callback in callbacks:
+        if not isinstance(callback, ModelCheckpoint) or getattr(callback, "_follows_saves_in_flight", False):
+            continue
+        callback._follows_saves_in_flight = True
+        exists, link = callback.file_exists, callback._link_checkpoint
+
+        def file_exists(filepath: Any, trainer: "pl.Trainer", exists: Any = exists) -> bool:
+            background = _background_of(trainer)
+            return exists(filepath, trainer) or (background is not None and background.writing(filepath))
+
+        def link_checkpoint(trainer: "pl.Trainer", filepath: str, linkpath: str, link: Any = link) -> None:
+            background = _background_of(trainer)
+            if background is None or not background.writing(filepath):
+                return link(trainer, filepath, linkpath)
+            if trainer.is_global_zero:  # Lightning's own link, from the writing thread: rank 0's part, no barrier
+                alone = SimpleNamespace(is_global_zero=True, strategy=SimpleNamespace(barrier=lambda *_: None))
+                background.remove_after(partial(link, alone, filepath, linkpath))
+            trainer.strategy.barrier()
+
+        callback.file_exists, callback._link_checkpoint = file_exists, link_checkpoint
+
+
+def _background_of(trainer: "pl.Trainer") -> Optional[AsyncSaver]:
+    checkpoints = getattr(trainer.strategy, "checkpoints", None)  # (another strategy on the same callback later)
+    return checkpoints.background if isinstance(checkpoints, CheckpointState) else None
 
 
 def _without(state: dict[str, Any], names: set[str]) -> dict[str, Any]:

@@ -85,13 +85,13 @@ class ProcessGroup:
     # -- a stage's end ---------------------------------------------------------------------------------
     @staticmethod
     def end_stage(runtime: Optional[ShardRuntime], lightning_module: Any, barrier: Callable[[], None],
-                  complete_saves: Callable[[], None]) -> None:
+                  finish_saves: Callable[[], None]) -> None:
         """A stage (fit, validate, ...) ends: no collective left behind where it ended cleanly (async_save: a fit
         returns once its last save is complete, or raises); else none waited for."""
         trainer = getattr(lightning_module, "_trainer", None)
         if trainer is None or trainer.state.status != TrainerStatus.INTERRUPTED:
             _complete_inflight_gathers(runtime)
-            complete_saves()
+            finish_saves()  # (given back its staging memory too)
             barrier()  # no rank goes on to exit, closing its sockets, while another still communicates
         else:  # a peer may be dead or stuck in a collective: waiting on it, or destroying the group, could hang
             GROUP_AT_EXIT.failed = True

@@ -371,7 +371,7 @@ class ShardStrategy(ParallelStrategy):
         # Unlike the base class, do not move the module to CPU: that would break its shard views.
         assert self.cluster_environment is not None and self.accelerator is not None
         self.processes.end_stage(self.runtime, self.lightning_module, self.barrier,
-                                 self.checkpoints.complete_background_saves)
+                                 self.checkpoints.finish_background_saves)
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
