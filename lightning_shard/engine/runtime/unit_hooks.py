@@ -18,6 +18,7 @@ from hooks, and their order is the order in which the hooks fire.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
@@ -63,7 +64,7 @@ class UnitHooks:
         for param in unit.storage.gathered_params:
             if param.requires_grad and id(param) not in self._watched:
                 self._watched.add(id(param))
-                self.handles.append(param.register_post_accumulate_grad_hook(self.start_backward))
+                self.handles.append(param.register_post_accumulate_grad_hook(weakly(self.start_backward)))
 
     def follow_requires_grad(self, unit: Unit) -> None:
         """Parameters frozen or unfrozen since the unit's last use (a fine-tuning callback between steps,
@@ -233,3 +234,17 @@ class UnitHooks:
                 param.grad = None
             unit.storage.unsharded.drop()
             self.schedule.reshard(unit)
+
+
+def weakly(method: Callable[..., Any]) -> Callable[..., None]:
+    """``method`` called through a weak reference to its object: a hook autograd keeps on a tensor is held from C++,
+    where the garbage collector cannot see it, so a strong one would keep the runtime, and through it the model and its
+    optimizer state, alive for the rest of the process (a sweep's runs one after another)."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(*args: Any) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(*args)
+
+    return hook

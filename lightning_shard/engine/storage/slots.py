@@ -28,9 +28,12 @@ def _refuse_autograd_grads(shard: nn.Parameter, slot: ParamSlot) -> None:
     if getattr(shard, "_refuses_autograd_grads", False):
         return
 
+    name = slot.names[0]  # (not the slot: autograd holds this hook from C++, unseen by the garbage collector, and the
+    # slot's modules would stay alive with it)
+
     def refuse(_: Tensor) -> None:
         raise RuntimeError(
-            f"lightning_shard: {slot.names[0]!r} was used while its unit was not gathered: it was reached through"
+            f"lightning_shard: {name!r} was used while its unit was not gathered: it was reached through"
             " `self.parameters()` or a reference kept from outside the step (a penalty over `self.parameters()` in"
             " training_step), not looked up by name. A unit's parameters are gathered when one of its modules is"
             " called, or when one of them is looked up by name inside a step (`self.wpe.weight`): read it by name"
