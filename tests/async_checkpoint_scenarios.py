@@ -394,20 +394,10 @@ def qlora_both_ways(rank: int, world: int, base: str, case: tuple, directory: st
 
 def qlora_resume(rank: int, world: int, base: str, case: tuple, path: str) -> dict:
     """Another start resumed from ``path`` on this world, 2 more steps: the full state loaded and after."""
-    from lightning_shard.checkpoint import sharded
-    from lightning_shard.checkpoint.io import open_checkpoint
-    from tests.qlora_scenarios import _sharded_qlora, _sharded_steps
-    from tests.mixed_scenarios import batches
+    from tests.qlora_scenarios import resumed_qlora
 
-    model, runtime, optimizer = _sharded_qlora(base, case, seed=5)
-    checkpoint = open_checkpoint(Path(path))
-    source = checkpoint["state_dict"]
-    sharded.load_model_state(runtime, source.directory, source.metadata)
-    sharded.load_optimizer_state(runtime, optimizer, 0, checkpoint["optimizer_states"][0], source.directory,
-                                 source.metadata)
-    loaded = full_state_dict(runtime, rank0_only=False)
-    _sharded_steps(model, runtime, optimizer, batches()[3:], rank, world)
-    return {"loaded": loaded, "resumed": full_state_dict(runtime, rank0_only=False)}
+    loaded, resumed = resumed_qlora(rank, world, base, case, path)
+    return {"loaded": loaded, "resumed": resumed}
 
 
 def engine_both_ways(rank: int, world: int, device_type: str, directory: str, offload: Optional[str] = None,
@@ -423,14 +413,11 @@ def engine_both_ways(rank: int, world: int, device_type: str, directory: str, of
     from tests.checkpoint_scenarios import _batches, _steps
     from tests.engine_scenarios import param_groups
 
-    device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        from tests.test_cuda import gloo_refuses
+    from tests.test_cuda import device_or_refusal
 
-        torch.cuda.set_device(device)
-        refused = gloo_refuses(device)
-        if refused:
-            return {"refused": refused}
+    device, refused = device_or_refusal(device_type)
+    if refused:
+        return {"refused": refused}
     torch.manual_seed(0)
     model = TinyGPT().to(device)
     runtime = shard_module(model, units=["Block"], device=device, offload=offload, **(sharding or {}))

@@ -70,14 +70,11 @@ CPU_ONLY_HERE = ("prefetch2_accumulate_clip", "offload_params_prefetch2_accumula
 
 def against_ddp(rank: int, world: int, device_type: str, names: tuple[str, ...], steps: int = 6) -> dict[str, Any]:
     """Each scenario's losses and final full state, and DDP's on the same device, world and batches."""
-    device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        from tests.test_cuda import gloo_refuses
+    from tests.test_cuda import device_or_refusal
 
-        refused = gloo_refuses(device)
-        if refused:
-            return {"refused": refused}
+    device, refused = device_or_refusal(device_type)
+    if refused:
+        return {"refused": refused}
     report: dict[str, Any] = {}
     for name in names:
         model_cls, options, training, _ = SCENARIOS[name]

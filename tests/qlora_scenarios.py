@@ -153,10 +153,9 @@ def qlora_save(rank: int, world: int, base: str, case: tuple, path: str) -> dict
     return full_state_dict(runtime, rank0_only=False)
 
 
-def qlora_resume(rank: int, world: int, base: str, case: tuple, path: str, saved_world: int) -> dict:
-    """Another start (adapters, packed weights and quantization state all overwritten) resumed from the checkpoint on
-    this world, 2 more steps; and one process doing the same 5 steps uninterrupted (``saved_world`` chunks, then this
-    world's), on rank 0."""
+def resumed_qlora(rank: int, world: int, base: str, case: tuple, path: str) -> tuple[dict, dict]:
+    """Another start (adapters, packed weights and quantization state all overwritten) loaded from the sharded
+    checkpoint at ``path``, then 2 more steps on this world: the full state loaded, and after."""
     from lightning_shard.checkpoint import sharded
     from lightning_shard.checkpoint.io import open_checkpoint
 
@@ -168,7 +167,14 @@ def qlora_resume(rank: int, world: int, base: str, case: tuple, path: str, saved
                                  source.metadata)
     loaded = full_state_dict(runtime, rank0_only=False)
     _sharded_steps(model, runtime, optimizer, batches()[3:], rank, world)
-    resumed = full_state_dict(runtime, rank0_only=False)
+    return loaded, full_state_dict(runtime, rank0_only=False)
+
+
+def qlora_resume(rank: int, world: int, base: str, case: tuple, path: str, saved_world: int) -> dict:
+    """Another start (adapters, packed weights and quantization state all overwritten) resumed from the checkpoint on
+    this world, 2 more steps; and one process doing the same 5 steps uninterrupted (``saved_world`` chunks, then this
+    world's), on rank 0."""
+    loaded, resumed = resumed_qlora(rank, world, base, case, path)
     if rank:
         return {}
     reference = qlora_model(base, *case)

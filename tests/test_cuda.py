@@ -288,6 +288,15 @@ def gloo_refuses(device: torch.device) -> str | None:
     return None
 
 
+def device_or_refusal(device_type: str) -> tuple[torch.device, str | None]:
+    """Device 0 of ``device_type``, made current (every rank of a world sharing one GPU), and why gloo cannot run the
+    engine's collectives on its tensors here, or None (every rank calls it: it runs them)."""
+    device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device, gloo_refuses(device)
+
+
 def two_ranks_one_device(rank: int, world: int, device_type: str, steps: int = 20) -> dict:
     """Each sharding mode and DDP, both on ``device_type`` (every rank on device 0), the same global batches."""
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -297,10 +306,7 @@ def two_ranks_one_device(rank: int, world: int, device_type: str, steps: int = 2
     from tests.engine_scenarios import train
     from tests.models import TinyGPT
 
-    device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    refused = gloo_refuses(device)
+    device, refused = device_or_refusal(device_type)
     if refused:
         return {"refused": refused}
     g = torch.Generator().manual_seed(1234)
