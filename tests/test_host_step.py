@@ -159,13 +159,19 @@ def test_the_worker_steps_while_a_gradient_is_still_on_its_way():
 
     from lightning_shard.engine.optim.host_worker import HostWorker
 
-    worker, done, arrived = HostWorker(torch.device("cpu")), [], threading.Event()
-    worker.submit(lambda: done.append("step 1"))
+    # the worker chooses once all four are queued (step 1 waits for that), and the copy arrives only once step 3 has
+    # run (a hang if steps waited for it: a timer ends that), so the order does not depend on how soon the worker
+    # thread is scheduled (a 0.5 s timer's did, on a loaded machine)
+    worker, done, queued, arrived = HostWorker(torch.device("cpu")), [], threading.Event(), threading.Event()
+    worker.submit(lambda: (queued.wait(), done.append("step 1")))
     worker.submit(lambda: (arrived.wait(), done.append("land 2")), ready=arrived.is_set)
-    worker.submit(lambda: done.append("step 3"))
+    worker.submit(lambda: (done.append("step 3"), arrived.set()))
     worker.submit(lambda: done.append("land 4"), ready=lambda: True)
-    threading.Timer(0.5, arrived.set).start()
+    fallback = threading.Timer(10.0, arrived.set)
+    fallback.start()
+    queued.set()
     worker.wait()
+    fallback.cancel()
     assert done.index("step 3") < done.index("land 2") and done[-1] == "land 4", done
 
 
