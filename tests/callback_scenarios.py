@@ -1,0 +1,425 @@
+"""Lightning's built-in callbacks and tuner under ShardStrategy at 2 gloo ranks, each against Lightning's ``ddp`` in
+the same world on the same data (fp32: 1e-5 relative, 1e-6 absolute): ``Tuner.lr_find`` and ``scale_batch_size``,
+``GradientAccumulationScheduler``, ``EarlyStopping``, ``Timer``, the monitors, ``OnExceptionCheckpoint``, ``fit``
+twice on one Trainer, fractional ``val_check_interval`` with step checkpoints, and an accumulation window that
+``limit_train_batches`` cuts short. Run by test_callbacks_builtin.py, several scenarios per world."""
+
+from __future__ import annotations
+
+import csv
+import logging
+import os
+import sys
+import time
+import traceback
+import warnings
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from lightning.pytorch import callbacks as cb  # noqa: E402
+from lightning.pytorch.tuner import Tuner  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+from tests.lightning_port_models import (  # noqa: E402
+    BoringNet, assert_same, broadcast_path, dataset, loader, shard, state_of, trainer,
+)
+from tests.world import as_lightning_rank  # noqa: E402
+
+SCENARIOS: dict[str, Callable[[int, int, Path], dict]] = {}
+
+
+def scenario(fn: Callable[[int, int, Path], dict]) -> Callable[[int, int, Path], dict]:
+    SCENARIOS[fn.__name__] = fn
+    return fn
+
+
+def strategies(**shard_options: Any) -> dict[str, Callable[[], Any]]:
+    return {"ddp": lambda: "ddp", "shard": lambda: shard(**shard_options)}
+
+
+def listing(root: Path) -> list[str]:
+    """What a run left under its folder, relative; a checkpoint (a file, or our directory) is one entry."""
+    found: list[str] = []
+
+    def walk(folder: Path) -> None:
+        for path in sorted(folder.iterdir()):
+            if path.is_dir() and not path.name.endswith(".ckpt"):
+                walk(path)
+            else:
+                found.append(str(path.relative_to(root)))
+
+    if root.exists():
+        walk(root)
+    return found
+
+
+def same_losses(ours: list[float], reference: list[float], what: str) -> None:
+    assert len(ours) == len(reference), f"{what}: {len(ours)} losses, ddp {len(reference)}"
+    torch.testing.assert_close(torch.tensor(ours), torch.tensor(reference), rtol=1e-5, atol=1e-6,
+                               msg=lambda m: f"{what} losses: {m}")
+
+
+def both(rank: int, root: Path, run: Callable[[Any, Path], dict], **shard_options: Any) -> dict[str, dict]:
+    """``run(strategy, folder)`` under ddp, then ShardStrategy, on a fresh seed each."""
+    runs = {}
+    for name, make in strategies(**shard_options).items():
+        torch.manual_seed(0)
+        folder = broadcast_path(root / name)
+        runs[name] = run(make(), folder)
+        dist.barrier()
+    return runs
+
+
+class BatchNet(BoringNet):
+    """BoringNet whose loader's batch size is the tuned ``batch_size``."""
+
+    def __init__(self, lr: float = 0.1) -> None:
+        super().__init__(lr)
+        self.batch_size = 2
+
+    def train_dataloader(self):
+        return DataLoader(dataset(1, 64), batch_size=self.batch_size)
+
+
+@scenario
+def lr_find(rank: int, world: int, root: Path) -> dict:
+    """``Tuner.lr_find``: the sweep's losses and suggestion, the model restored after it (its checkpoint removed),
+    then a fit at the suggested rate, as ddp's."""
+
+    def run(strategy: Any, folder: Path) -> dict:
+        model = BoringNet(lr=0.01)
+        t = trainer(strategy, folder, max_epochs=1)
+        before = None
+        finder = Tuner(t).lr_find(model, train_dataloaders=loader(1, 320), num_training=30, min_lr=1e-4, max_lr=1.0,
+                                  early_stop_threshold=None, update_attr=True)
+        after_find = state_of(t)
+        left = listing(folder)
+        model.losses.clear()
+        t.fit(model, loader(1))
+        return {"lr": finder.results["lr"], "loss": finder.results["loss"], "suggestion": finder.suggestion(),
+                "hparam_lr": model.hparams.lr, "after_find": after_find, "left": left, "state": state_of(t),
+                "losses": model.losses, "before": before}
+
+    runs = both(rank, root, run)
+    ours, ddp = runs["shard"], runs["ddp"]
+    same_losses(ours["lr"], ddp["lr"], "lr_find lr")
+    same_losses(ours["loss"], ddp["loss"], "lr_find loss")
+    assert ours["suggestion"] == ddp["suggestion"] and ours["hparam_lr"] == ddp["hparam_lr"], (ours, ddp)
+    assert_same(ours["after_find"], ddp["after_find"], "restored after lr_find")
+    assert ours["left"] == ddp["left"] == [], (ours["left"], ddp["left"])
+    same_losses(ours["losses"], ddp["losses"], "fit after lr_find")
+    assert_same(ours["state"], ddp["state"], "fit after lr_find")
+    return {"suggestion": ours["suggestion"]}
+
+
+@scenario
+def scale_batch_size(rank: int, world: int, root: Path) -> dict:
+    """``Tuner.scale_batch_size`` and the ``BatchSizeFinder`` callback: Lightning refuses both for any distributed
+    strategy (ddp included), with the same words under ShardStrategy."""
+    said = {}
+    for name, make in strategies().items():
+        for how in ("tuner", "callback"):
+            model = BatchNet()
+            try:
+                if how == "tuner":
+                    Tuner(trainer(make(), root / name)).scale_batch_size(model, steps_per_trial=2, init_val=2)
+                else:
+                    trainer(make(), root / name, callbacks=[cb.BatchSizeFinder(steps_per_trial=2, init_val=2)]).fit(model)
+            except Exception as e:  # noqa: BLE001 - the refusal compared
+                said[f"{name} {how}"] = f"{type(e).__name__}: {e}"
+    assert said.get("shard tuner") == said.get("ddp tuner") and said.get("shard callback") == said.get("ddp callback"), said
+    return said
+
+
+@scenario
+def accumulation_scheduler(rank: int, world: int, root: Path) -> dict:
+    """``GradientAccumulationScheduler({0: 1, 1: 3})`` over 3 epochs of 4 steps (the last window of each epoch cut
+    short), with and without reduce_during_accumulation."""
+    out = {}
+    for reduce in (True, False):
+        def run(strategy: Any, folder: Path) -> dict:
+            model = BoringNet()
+            t = trainer(strategy, folder, max_epochs=3,
+                        callbacks=[cb.GradientAccumulationScheduler({0: 1, 1: 3})])
+            t.fit(model, loader(1))
+            return {"losses": model.losses, "state": state_of(t), "steps": t.global_step}
+
+        runs = both(rank, root / f"reduce{reduce}", run, reduce_during_accumulation=reduce)
+        assert runs["shard"]["steps"] == runs["ddp"]["steps"], (runs["shard"]["steps"], runs["ddp"]["steps"])
+        same_losses(runs["shard"]["losses"], runs["ddp"]["losses"], f"reduce={reduce}")
+        assert_same(runs["shard"]["state"], runs["ddp"]["state"], f"accumulation scheduler reduce={reduce}")
+        out[str(reduce)] = runs["shard"]["steps"]
+    return out
+
+
+@scenario
+def limit_batches_partial_window(rank: int, world: int, root: Path) -> dict:
+    """``limit_train_batches=3`` with ``accumulate_grad_batches=2``: Lightning steps on the last, one-batch window."""
+
+    def run(strategy: Any, folder: Path) -> dict:
+        model = BoringNet()
+        t = trainer(strategy, folder, max_epochs=2, limit_train_batches=3, accumulate_grad_batches=2)
+        t.fit(model, loader(1))
+        return {"losses": model.losses, "state": state_of(t), "steps": t.global_step}
+
+    runs = both(rank, root, run)
+    assert runs["shard"]["steps"] == runs["ddp"]["steps"]
+    same_losses(runs["shard"]["losses"], runs["ddp"]["losses"], "partial window")
+    assert_same(runs["shard"]["state"], runs["ddp"]["state"], "partial window")
+    return {"steps": runs["shard"]["steps"]}
+
+
+class ValNet(BoringNet):
+    def val_dataloader(self):
+        return loader(2)
+
+
+@scenario
+def early_stopping(rank: int, world: int, root: Path) -> dict:
+    """``EarlyStopping`` on the train loss at the train epoch's end, and on the validation loss, stopping at the
+    same epoch and step as ddp, with the callback's state."""
+    out = {}
+    for where in ("train", "val"):
+        def run(strategy: Any, folder: Path) -> dict:
+            model = ValNet(lr=0.5)
+            stopper = (cb.EarlyStopping("train_loss", patience=1, min_delta=0.05, check_on_train_epoch_end=True)
+                       if where == "train" else cb.EarlyStopping("val_loss", patience=0, min_delta=0.01))
+            t = trainer(strategy, folder, max_epochs=8, callbacks=[stopper])
+            t.fit(model, loader(1))
+            return {"epoch": t.current_epoch, "step": t.global_step, "stopped": stopper.stopped_epoch,
+                    "wait": stopper.wait_count, "best": float(stopper.best_score), "state": state_of(t),
+                    "losses": model.losses}
+
+        runs = both(rank, root / where, run)
+        ours, ddp = runs["shard"], runs["ddp"]
+        assert (ours["epoch"], ours["step"], ours["stopped"], ours["wait"]) == \
+            (ddp["epoch"], ddp["step"], ddp["stopped"], ddp["wait"]), (where, ours, ddp)
+        torch.testing.assert_close(ours["best"], ddp["best"], rtol=1e-5, atol=1e-6)
+        same_losses(ours["losses"], ddp["losses"], f"early stopping {where}")
+        assert_same(ours["state"], ddp["state"], f"early stopping {where}")
+        out[where] = ours["stopped"]
+    return out
+
+
+class SlowNet(BoringNet):
+    """Rank 1 steps slower: a wall-clock stop seen first by one rank."""
+
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == 1:
+            time.sleep(0.05)
+        return super().training_step(batch, batch_idx)
+
+
+@scenario
+def timer_stop(rank: int, world: int, root: Path) -> dict:
+    """``Timer(duration=...)`` (``max_time``): the ranks stop at one step, without a hang."""
+    t = trainer(shard(), root, max_epochs=1000, max_time=timedelta(seconds=1.5))
+    model = SlowNet()
+    started = time.monotonic()
+    t.fit(model, loader(1))
+    steps = torch.tensor([t.global_step])
+    everyone = [torch.zeros_like(steps) for _ in range(world)]
+    dist.all_gather(everyone, steps)
+    assert len({int(s) for s in everyone}) == 1, everyone
+    return {"steps": int(steps), "seconds": time.monotonic() - started}
+
+
+@scenario
+def monitors(rank: int, world: int, root: Path) -> dict:
+    """``LearningRateMonitor``, ``ThroughputMonitor`` and ``DeviceStatsMonitor`` with a CSV logger: the same logged
+    keys and learning rates as ddp."""
+    from lightning.pytorch.callbacks import ThroughputMonitor
+    from lightning.pytorch.loggers import CSVLogger
+
+    def run(strategy: Any, folder: Path) -> dict:
+        model = BoringNet()
+        logger = CSVLogger(folder, name="", version="")
+        t = trainer(strategy, folder, max_epochs=1, logger=logger, log_every_n_steps=1,
+                    callbacks=[cb.LearningRateMonitor(logging_interval="step"),
+                               ThroughputMonitor(batch_size_fn=lambda b: b[0].shape[0]),
+                               cb.DeviceStatsMonitor()])
+        t.fit(model, loader(1))
+        dist.barrier()
+        with open(folder / "metrics.csv") as f:
+            rows = list(csv.DictReader(f))
+        # the strategy's own figures (shard/...) left out: ddp has none
+        header = sorted(k for k in rows[0] if not k.startswith("shard/"))
+        lrs = [(r["step"], float(r["lr-AdamW"])) for r in rows if r.get("lr-AdamW")]
+        return {"header": header, "lr": lrs, "state": state_of(t)}
+
+    runs = both(rank, root, run)
+    ours, ddp = runs["shard"], runs["ddp"]
+    assert ours["header"] == ddp["header"], (set(ours["header"]) ^ set(ddp["header"]))
+    assert ours["lr"] == ddp["lr"] and len(ours["lr"]) == 4, (ours["lr"], ddp["lr"])
+    assert_same(ours["state"], ddp["state"], "monitors")
+    return {"header": ours["header"]}
+
+
+class FailingNet(BoringNet):
+    def training_step(self, batch, batch_idx):
+        if self.global_step == 2:
+            raise RuntimeError("planted failure")
+        return super().training_step(batch, batch_idx)
+
+
+@scenario
+def exception_checkpoint(rank: int, world: int, root: Path) -> dict:
+    """``OnExceptionCheckpoint``: a failure at step 2 (on every rank) saves the model; a fit resumed from it under the
+    same strategy ends with ddp's weights."""
+
+    def run(strategy: Any, folder: Path) -> dict:
+        t = trainer(strategy, folder, max_epochs=1, callbacks=[cb.OnExceptionCheckpoint(folder)],
+                    enable_checkpointing=True)
+        try:
+            t.fit(FailingNet(), loader(1))
+        except RuntimeError as e:
+            assert "planted failure" in str(e), e
+        else:
+            raise AssertionError("no failure")
+        dist.barrier()
+        left = listing(folder)
+        path = folder / "on_exception.ckpt"
+        strategy2 = "ddp" if strategy == "ddp" else shard()
+        torch.manual_seed(1)
+        model = BoringNet()
+        t2 = trainer(strategy2, folder / "resumed", max_epochs=2)
+        t2.fit(model, loader(1), ckpt_path=str(path))
+        return {"left": left, "state": state_of(t2), "steps": t2.global_step, "losses": model.losses}
+
+    runs = both(rank, root, run)
+    ours, ddp = runs["shard"], runs["ddp"]
+    assert ours["left"] == ddp["left"], (ours["left"], ddp["left"])
+    assert ours["steps"] == ddp["steps"], (ours["steps"], ddp["steps"])
+    same_losses(ours["losses"], ddp["losses"], "resumed from on_exception.ckpt")
+    assert_same(ours["state"], ddp["state"], "resumed from on_exception.ckpt")
+    return {"left": ours["left"]}
+
+
+@scenario
+def fit_twice(rank: int, world: int, root: Path) -> dict:
+    """``trainer.fit`` twice on one Trainer (max_epochs raised in between): the second fit goes on from the first."""
+
+    def run(strategy: Any, folder: Path) -> dict:
+        model = BoringNet()
+        t = trainer(strategy, folder, max_epochs=1)
+        t.fit(model, loader(1))
+        t.fit_loop.max_epochs = 2
+        t.fit(model, loader(1))
+        return {"losses": model.losses, "state": state_of(t), "steps": t.global_step}
+
+    runs = both(rank, root, run)
+    assert runs["shard"]["steps"] == runs["ddp"]["steps"]
+    same_losses(runs["shard"]["losses"], runs["ddp"]["losses"], "fit twice")
+    assert_same(runs["shard"]["state"], runs["ddp"]["state"], "fit twice")
+    return {"steps": runs["shard"]["steps"]}
+
+
+@scenario
+def val_interval_step_checkpoints(rank: int, world: int, root: Path) -> dict:
+    """``val_check_interval=0.5`` with ``ModelCheckpoint(every_n_train_steps=3)`` and a ``val_loss`` top-2: the same
+    files as ddp, and the best one's weights."""
+
+    def run(strategy: Any, folder: Path) -> dict:
+        model = ValNet()
+        steps = cb.ModelCheckpoint(folder / "steps", every_n_train_steps=3, save_top_k=-1)
+        best = cb.ModelCheckpoint(folder / "best", monitor="val_loss", save_top_k=2)
+        t = trainer(strategy, folder, max_epochs=2, val_check_interval=0.5, enable_checkpointing=True,
+                    callbacks=[steps, best])
+        t.fit(model, loader(1))
+        dist.barrier()
+        return {"steps": sorted(p.name for p in (folder / "steps").iterdir()),
+                "best": sorted(p.name for p in (folder / "best").iterdir()),
+                "best_path": Path(best.best_model_path).name, "state": state_of(t), "losses": model.losses}
+
+    runs = both(rank, root, run)
+    ours, ddp = runs["shard"], runs["ddp"]
+    assert ours["steps"] == ddp["steps"] and ours["best"] == ddp["best"], (ours["steps"], ddp["steps"], ours["best"],
+                                                                           ddp["best"])
+    assert ours["best_path"] == ddp["best_path"]
+    same_losses(ours["losses"], ddp["losses"], "val_check_interval")
+    assert_same(ours["state"], ddp["state"], "val_check_interval")
+    return {"steps": ours["steps"], "best": ours["best"]}
+
+
+@scenario
+def lr_finder_callback(rank: int, world: int, root: Path) -> dict:
+    """The ``LearningRateFinder`` callback: the sweep at the fit's start, the model restored, the fit continued at the
+    suggested rate."""
+
+    def run(strategy: Any, folder: Path) -> dict:
+        model = BoringNet(lr=0.01)
+        finder = cb.LearningRateFinder(min_lr=1e-4, max_lr=1.0, num_training_steps=30, early_stop_threshold=None)
+        t = trainer(strategy, folder, max_epochs=2, callbacks=[finder])
+        t.fit(model, loader(1, 320))
+        return {"suggestion": finder.optimal_lr.suggestion(), "lr": model.hparams.lr, "losses": model.losses,
+                "state": state_of(t), "steps": t.global_step, "left": listing(folder),
+                "optimizer_lr": t.optimizers[0].param_groups[0]["lr"]}
+
+    runs = both(rank, root, run)
+    ours, ddp = runs["shard"], runs["ddp"]
+    assert (ours["suggestion"], ours["lr"], ours["steps"], ours["left"], ours["optimizer_lr"]) == \
+        (ddp["suggestion"], ddp["lr"], ddp["steps"], ddp["left"], ddp["optimizer_lr"]), (ours, ddp)
+    same_losses(ours["losses"], ddp["losses"], "LearningRateFinder")
+    assert_same(ours["state"], ddp["state"], "LearningRateFinder")
+    return {"suggestion": ours["suggestion"]}
+
+
+@scenario
+def callback_states_resumed(rank: int, world: int, root: Path) -> dict:
+    """The states of ``EarlyStopping``, ``Timer`` and ``ModelCheckpoint`` saved in the checkpoint (sharded, and full)
+    and restored by a resumed fit, as ddp's."""
+    out = {}
+    for form in ("sharded", "full"):
+        def run(strategy: Any, folder: Path) -> dict:
+            def callbacks():
+                return [cb.EarlyStopping("val_loss", patience=5), cb.Timer(duration="00:01:00:00"),
+                        cb.ModelCheckpoint(folder / "ckpt", monitor="val_loss", save_last=True, save_top_k=2)]
+            model = ValNet()
+            first = callbacks()
+            t = trainer(strategy, folder, max_epochs=2, enable_checkpointing=True, callbacks=first)
+            t.fit(model, loader(1))
+            again = "ddp" if strategy == "ddp" else shard(state_dict_type=form)
+            second = callbacks()
+            torch.manual_seed(1)
+            model2 = ValNet()
+            t2 = trainer(again, folder, max_epochs=3, enable_checkpointing=True, callbacks=second)
+            t2.fit(model2, loader(1), ckpt_path="last")
+            stop, timer, ckpt = second
+            return {"wait": stop.wait_count, "best": float(stop.best_score), "timer": timer.state_dict()["time_elapsed"]["train"] > 0,
+                    "kth": sorted(Path(p).name for p in ckpt.best_k_models), "best_path": Path(ckpt.best_model_path).name,
+                    "losses": model2.losses, "state": state_of(t2)}
+
+        runs = both(rank, root / form, run, state_dict_type=form)
+        ours, ddp = runs["shard"], runs["ddp"]
+        for key in ("wait", "timer", "kth", "best_path"):
+            assert ours[key] == ddp[key], (form, key, ours[key], ddp[key])
+        torch.testing.assert_close(ours["best"], ddp["best"], rtol=1e-5, atol=1e-6)
+        same_losses(ours["losses"], ddp["losses"], f"resumed {form}")
+        assert_same(ours["state"], ddp["state"], f"resumed {form}")
+        out[form] = ours["kth"]
+    return out
+
+
+def run_scenarios(rank: int, world: int, names: list[str], root: str) -> dict[str, Any]:
+    """Each named scenario in turn, in its own folder: its result, or the error it raised (as text)."""
+    as_lightning_rank(rank, world)
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    warnings.simplefilter("ignore")
+    results: dict[str, Any] = {}
+    for name in names:
+        torch.manual_seed(0)
+        started = time.perf_counter()
+        try:
+            results[name] = SCENARIOS[name](rank, world, Path(root) / name)
+        except Exception:  # noqa: BLE001 - reported per scenario
+            results[name] = {"error": traceback.format_exc()}
+        results[name]["seconds"] = round(time.perf_counter() - started, 1)
+        dist.barrier()
+    return results
