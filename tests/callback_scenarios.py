@@ -6,6 +6,7 @@ twice on one Trainer, fractional ``val_check_interval`` with step checkpoints, a
 
 from __future__ import annotations
 
+import ast
 import csv
 import logging
 import os
@@ -39,8 +40,12 @@ def scenario(fn: Callable[[int, int, Path], dict]) -> Callable[[int, int, Path],
     return fn
 
 
+# ShardStrategy's options for every scenario of a run: a scenario named "name@option=value,..." runs with them
+OPTIONS: dict[str, Any] = {}
+
+
 def strategies(**shard_options: Any) -> dict[str, Callable[[], Any]]:
-    return {"ddp": lambda: "ddp", "shard": lambda: shard(**shard_options)}
+    return {"ddp": lambda: "ddp", "shard": lambda: shard(**{**OPTIONS, **shard_options})}
 
 
 def listing(root: Path) -> list[str]:
@@ -71,7 +76,10 @@ def both(rank: int, root: Path, run: Callable[[Any, Path], dict], **shard_option
     for name, make in strategies(**shard_options).items():
         torch.manual_seed(0)
         folder = broadcast_path(root / name)
-        runs[name] = run(make(), folder)
+        strategy = make()
+        runs[name] = run(strategy, folder)
+        for option, value in OPTIONS.items() if name == "shard" else ():  # the run's options were the strategy's
+            assert getattr(strategy, option) == value, (option, getattr(strategy, option), value)
         dist.barrier()
     return runs
 
@@ -219,7 +227,7 @@ class SlowNet(BoringNet):
 @scenario
 def timer_stop(rank: int, world: int, root: Path) -> dict:
     """``Timer(duration=...)`` (``max_time``): the ranks stop at one step, without a hang."""
-    t = trainer(shard(), root, max_epochs=1000, max_time=timedelta(seconds=1.5))
+    t = trainer(strategies()["shard"](), root, max_epochs=1000, max_time=timedelta(seconds=1.5))
     model = SlowNet()
     started = time.monotonic()
     t.fit(model, loader(1))
@@ -285,7 +293,7 @@ def exception_checkpoint(rank: int, world: int, root: Path) -> dict:
         dist.barrier()
         left = listing(folder)
         path = folder / "on_exception.ckpt"
-        strategy2 = "ddp" if strategy == "ddp" else shard()
+        strategy2 = "ddp" if strategy == "ddp" else shard(**OPTIONS)
         torch.manual_seed(1)
         model = BoringNet()
         t2 = trainer(strategy2, folder / "resumed", max_epochs=2)
@@ -384,7 +392,7 @@ def callback_states_resumed(rank: int, world: int, root: Path) -> dict:
             first = callbacks()
             t = trainer(strategy, folder, max_epochs=2, enable_checkpointing=True, callbacks=first)
             t.fit(model, loader(1))
-            again = "ddp" if strategy == "ddp" else shard(state_dict_type=form)
+            again = "ddp" if strategy == "ddp" else shard(**{**OPTIONS, "state_dict_type": form})
             second = callbacks()
             torch.manual_seed(1)
             model2 = ValNet()
@@ -406,6 +414,68 @@ def callback_states_resumed(rank: int, world: int, root: Path) -> dict:
     return out
 
 
+class ValLosses(cb.Callback):
+    """Each validation's ``val_loss`` and the global step it ran at."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, float]] = []
+
+    def on_validation_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.seen.append((trainer.global_step, float(trainer.callback_metrics["val_loss"])))
+
+
+@scenario
+def validation_mid_window(rank: int, world: int, root: Path) -> dict:
+    """Validation inside an accumulation window (``val_check_interval=3`` batches, ``accumulate_grad_batches=2``),
+    and ``EarlyStopping`` on it stopping the fit there, between a window's micro-batches."""
+    out = {}
+    for stop in (False, True):
+        def run(strategy: Any, folder: Path) -> dict:
+            model = ValNet(lr=0.5)
+            seen = ValLosses()
+            # stopping_threshold: stops at the first validation, after batch 3 of a window of batches 3 and 4
+            callbacks = [seen] + ([cb.EarlyStopping("val_loss", stopping_threshold=100.0)] if stop else [])
+            t = trainer(strategy, folder, max_epochs=2, accumulate_grad_batches=2, val_check_interval=3,
+                        callbacks=callbacks)
+            t.fit(model, loader(1, 64))
+            if stop:  # then fit on, from the half window's left-over gradients
+                t.fit_loop.max_epochs = 3
+                t.should_stop = False
+                callbacks[1].stopping_threshold = None
+                t.fit(model, loader(1, 64))
+            return {"seen": seen.seen, "losses": model.losses, "state": state_of(t), "steps": t.global_step}
+
+        runs = both(rank, root / f"stop{stop}", run)
+        ours, ddp = runs["shard"], runs["ddp"]
+        assert [s for s, _ in ours["seen"]] == [s for s, _ in ddp["seen"]], (ours["seen"], ddp["seen"])
+        same_losses([v for _, v in ours["seen"]], [v for _, v in ddp["seen"]], f"val_loss stop={stop}")
+        same_losses(ours["losses"], ddp["losses"], f"mid-window validation stop={stop}")
+        assert_same(ours["state"], ddp["state"], f"mid-window validation stop={stop}")
+        out[str(stop)] = ours["seen"]
+    return out
+
+
+@scenario
+def fit_another_model(rank: int, world: int, root: Path) -> dict:
+    """One Trainer fits a model, validates, then fits a second, fresh model: the second run is as a fresh ddp one."""
+
+    def run(strategy: Any, folder: Path) -> dict:
+        t = trainer(strategy, folder, max_epochs=1)
+        t.fit(ValNet(), loader(1))
+        t.validate(t.lightning_module, loader(2), verbose=False)
+        torch.manual_seed(5)
+        second = ValNet(lr=0.05)
+        t.fit_loop.max_epochs = 2
+        t.fit(second, loader(3))
+        return {"losses": second.losses, "state": state_of(t), "steps": t.global_step}
+
+    runs = both(rank, root, run)
+    assert runs["shard"]["steps"] == runs["ddp"]["steps"], (runs["shard"]["steps"], runs["ddp"]["steps"])
+    same_losses(runs["shard"]["losses"], runs["ddp"]["losses"], "second model")
+    assert_same(runs["shard"]["state"], runs["ddp"]["state"], "second model")
+    return {"steps": runs["shard"]["steps"]}
+
+
 def run_scenarios(rank: int, world: int, names: list[str], root: str) -> dict[str, Any]:
     """Each named scenario in turn, in its own folder: its result, or the error it raised (as text)."""
     as_lightning_rank(rank, world)
@@ -416,8 +486,11 @@ def run_scenarios(rank: int, world: int, names: list[str], root: str) -> dict[st
     for name in names:
         torch.manual_seed(0)
         started = time.perf_counter()
+        base, _, options = name.partition("@")
+        OPTIONS.clear()
+        OPTIONS.update({k: ast.literal_eval(v) for k, v in (o.split("=") for o in options.split(",") if o)})
         try:
-            results[name] = SCENARIOS[name](rank, world, Path(root) / name)
+            results[name] = SCENARIOS[base](rank, world, Path(root) / name.replace("@", "_").replace("=", "-"))
         except Exception:  # noqa: BLE001 - reported per scenario
             results[name] = {"error": traceback.format_exc()}
         results[name]["seconds"] = round(time.perf_counter() - started, 1)
