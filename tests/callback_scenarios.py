@@ -28,11 +28,40 @@ from lightning.pytorch.tuner import Tuner  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from tests.lightning_port_models import (  # noqa: E402
-    BoringNet, assert_same, broadcast_path, dataset, loader, shard, state_of, trainer,
+    BoringNet, assert_same, broadcast_path, dataset, shard, state_of, trainer,
 )
+from tests.lightning_port_models import loader as boring_loader  # noqa: E402
+from tests.models import TinyGPT  # noqa: E402
 from tests.world import as_lightning_rank  # noqa: E402
 
 SCENARIOS: dict[str, Callable[[int, int, Path], dict]] = {}
+
+
+# the model of a run's scenarios: "boring" (Lightning's BoringModel net) or "gpt" (tests/models.py's TinyGPT, its
+# embedding tied with its head, blocks as units); a scenario named "name@model='gpt'" runs with it
+MODEL = {"kind": "boring"}
+
+
+class Net(BoringNet):
+    """BoringNet, or TinyGPT on token batches (its loss the next token's), as ``MODEL`` says."""
+
+    def build(self) -> torch.nn.Module:  # type: ignore[override]
+        return TinyGPT() if MODEL["kind"] == "gpt" else BoringNet.build()
+
+    def loss(self, batch):
+        if MODEL["kind"] == "gpt":
+            return TinyGPT.loss(self.layer, batch[0], 0)
+        return super().loss(batch)
+
+    def between_units(self) -> torch.nn.Module:
+        return self.layer.blocks[1] if MODEL["kind"] == "gpt" else self.layer[1]
+
+
+def loader(seed: int = 1, n: int = 32) -> DataLoader:
+    if MODEL["kind"] == "gpt":
+        tokens = TinyGPT.batch(torch.Generator().manual_seed(seed), n)
+        return DataLoader(torch.utils.data.TensorDataset(tokens, torch.zeros(n)), batch_size=4)
+    return boring_loader(seed, n)
 
 
 def scenario(fn: Callable[[int, int, Path], dict]) -> Callable[[int, int, Path], dict]:
@@ -84,8 +113,8 @@ def both(rank: int, root: Path, run: Callable[[Any, Path], dict], **shard_option
     return runs
 
 
-class BatchNet(BoringNet):
-    """BoringNet whose loader's batch size is the tuned ``batch_size``."""
+class BatchNet(Net):
+    """Net whose loader's batch size is the tuned ``batch_size``."""
 
     def __init__(self, lr: float = 0.1) -> None:
         super().__init__(lr)
@@ -101,7 +130,7 @@ def lr_find(rank: int, world: int, root: Path) -> dict:
     then a fit at the suggested rate, as ddp's."""
 
     def run(strategy: Any, folder: Path) -> dict:
-        model = BoringNet(lr=0.01)
+        model = Net(lr=0.01)
         t = trainer(strategy, folder, max_epochs=1)
         before = None
         finder = Tuner(t).lr_find(model, train_dataloaders=loader(1, 320), num_training=30, min_lr=1e-4, max_lr=1.0,
@@ -152,7 +181,7 @@ def accumulation_scheduler(rank: int, world: int, root: Path) -> dict:
     out = {}
     for reduce in (True, False):
         def run(strategy: Any, folder: Path) -> dict:
-            model = BoringNet()
+            model = Net()
             t = trainer(strategy, folder, max_epochs=3,
                         callbacks=[cb.GradientAccumulationScheduler({0: 1, 1: 3})])
             t.fit(model, loader(1))
@@ -171,7 +200,7 @@ def limit_batches_partial_window(rank: int, world: int, root: Path) -> dict:
     """``limit_train_batches=3`` with ``accumulate_grad_batches=2``: Lightning steps on the last, one-batch window."""
 
     def run(strategy: Any, folder: Path) -> dict:
-        model = BoringNet()
+        model = Net()
         t = trainer(strategy, folder, max_epochs=2, limit_train_batches=3, accumulate_grad_batches=2)
         t.fit(model, loader(1))
         return {"losses": model.losses, "state": state_of(t), "steps": t.global_step}
@@ -183,7 +212,7 @@ def limit_batches_partial_window(rank: int, world: int, root: Path) -> dict:
     return {"steps": runs["shard"]["steps"]}
 
 
-class ValNet(BoringNet):
+class ValNet(Net):
     def val_dataloader(self):
         return loader(2)
 
@@ -215,7 +244,7 @@ def early_stopping(rank: int, world: int, root: Path) -> dict:
     return out
 
 
-class SlowNet(BoringNet):
+class SlowNet(Net):
     """Rank 1 steps slower: a wall-clock stop seen first by one rank."""
 
     def training_step(self, batch, batch_idx):
@@ -246,7 +275,7 @@ def monitors(rank: int, world: int, root: Path) -> dict:
     from lightning.pytorch.loggers import CSVLogger
 
     def run(strategy: Any, folder: Path) -> dict:
-        model = BoringNet()
+        model = Net()
         logger = CSVLogger(folder, name="", version="")
         t = trainer(strategy, folder, max_epochs=1, logger=logger, log_every_n_steps=1,
                     callbacks=[cb.LearningRateMonitor(logging_interval="step"),
@@ -269,7 +298,7 @@ def monitors(rank: int, world: int, root: Path) -> dict:
     return {"header": ours["header"]}
 
 
-class FailingNet(BoringNet):
+class FailingNet(Net):
     def training_step(self, batch, batch_idx):
         if self.global_step == 2:
             raise RuntimeError("planted failure")
@@ -295,7 +324,7 @@ def exception_checkpoint(rank: int, world: int, root: Path) -> dict:
         path = folder / "on_exception.ckpt"
         strategy2 = "ddp" if strategy == "ddp" else shard(**OPTIONS)
         torch.manual_seed(1)
-        model = BoringNet()
+        model = Net()
         t2 = trainer(strategy2, folder / "resumed", max_epochs=2)
         t2.fit(model, loader(1), ckpt_path=str(path))
         return {"left": left, "state": state_of(t2), "steps": t2.global_step, "losses": model.losses}
@@ -314,7 +343,7 @@ def fit_twice(rank: int, world: int, root: Path) -> dict:
     """``trainer.fit`` twice on one Trainer (max_epochs raised in between): the second fit goes on from the first."""
 
     def run(strategy: Any, folder: Path) -> dict:
-        model = BoringNet()
+        model = Net()
         t = trainer(strategy, folder, max_epochs=1)
         t.fit(model, loader(1))
         t.fit_loop.max_epochs = 2
@@ -361,7 +390,7 @@ def lr_finder_callback(rank: int, world: int, root: Path) -> dict:
     suggested rate."""
 
     def run(strategy: Any, folder: Path) -> dict:
-        model = BoringNet(lr=0.01)
+        model = Net(lr=0.01)
         finder = cb.LearningRateFinder(min_lr=1e-4, max_lr=1.0, num_training_steps=30, early_stop_threshold=None)
         t = trainer(strategy, folder, max_epochs=2, callbacks=[finder])
         t.fit(model, loader(1, 320))
@@ -476,6 +505,110 @@ def fit_another_model(rank: int, world: int, root: Path) -> dict:
     return {"steps": runs["shard"]["steps"]}
 
 
+class FailingAt(ValNet):
+    """Raises on every rank at global step 2, in the place named: ``validation_step``, inside the model's forward
+    (between its units), ``on_after_backward``, or ``on_before_optimizer_step``."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.where = where
+        self.between_units().register_forward_hook(self.maybe_fail_in_forward)
+
+    def fail(self, where: str) -> None:
+        if where == self.where and self.global_step == 2:
+            raise RuntimeError(f"planted failure in {where}")
+
+    def maybe_fail_in_forward(self, *args: Any) -> None:
+        if self.training:
+            self.fail("forward")
+
+    def validation_step(self, batch, batch_idx):
+        self.fail("validation_step")
+        return super().validation_step(batch, batch_idx)
+
+    def on_after_backward(self):
+        self.fail("on_after_backward")
+
+    def on_before_optimizer_step(self, optimizer):
+        self.fail("on_before_optimizer_step")
+
+
+@scenario
+def exception_places(rank: int, world: int, root: Path) -> dict:
+    """``OnExceptionCheckpoint`` (whose hook runs before the strategy's ``on_exception``) saving after a failure in
+    validation, inside the forward, after backward, before the step (in an accumulation window); resumed, as ddp."""
+    out = {}
+    places = ("validation_step", "forward", "on_after_backward", "on_before_optimizer_step")
+    for where, same_trainer in [(where, False) for where in places] + [(where, True) for where in places]:
+        def run(strategy: Any, folder: Path) -> dict:
+            t = trainer(strategy, folder, max_epochs=1, callbacks=[cb.OnExceptionCheckpoint(folder)],
+                        enable_checkpointing=True, val_check_interval=2, accumulate_grad_batches=2)
+            try:
+                t.fit(FailingAt(where), loader(1, 64))
+            except RuntimeError as e:
+                assert "planted failure" in str(e), e
+            else:
+                raise AssertionError("no failure")
+            if same_trainer:  # the failed fit's Trainer and model, fitted again from the checkpoint
+                t2, model = t, t.lightning_module
+                model.where = None
+            else:
+                torch.manual_seed(1)
+                model = ValNet()
+                again = "ddp" if strategy == "ddp" else shard(**OPTIONS)
+                t2 = trainer(again, folder / "resumed", max_epochs=1, accumulate_grad_batches=2)
+            model.losses.clear()
+            t2.fit(model, loader(1, 64), ckpt_path=str(folder / "on_exception.ckpt"))
+            return {"state": state_of(t2), "steps": t2.global_step, "losses": model.losses}
+
+        runs = both(rank, root / f"{where}{'_again' if same_trainer else ''}", run)
+        ours, ddp = runs["shard"], runs["ddp"]
+        assert ours["steps"] == ddp["steps"], (where, ours["steps"], ddp["steps"])
+        same_losses(ours["losses"], ddp["losses"], f"failure in {where}")
+        assert_same(ours["state"], ddp["state"], f"failure in {where}")
+        out[f"{where} again={same_trainer}"] = ours["steps"]
+    return out
+
+
+class GroupedNet(Net):
+    """Two parameter groups (decayed weights, undecayed biases), SGD with momentum and a step scheduler."""
+
+    def configure_optimizers(self):
+        weights = [p for n, p in self.named_parameters() if n.endswith("weight")]
+        biases = [p for n, p in self.named_parameters() if not n.endswith("weight")]
+        optimizer = torch.optim.SGD([{"params": weights, "weight_decay": 0.01}, {"params": biases, "lr": 0.02}],
+                                    lr=0.1, momentum=0.9)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+@scenario
+def lr_monitor_groups(rank: int, world: int, root: Path) -> dict:
+    """``LearningRateMonitor(log_momentum=True, log_weight_decay=True)`` on two parameter groups: the same columns
+    and values as ddp."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    def run(strategy: Any, folder: Path) -> dict:
+        model = GroupedNet()
+        t = trainer(strategy, folder, max_epochs=1, logger=CSVLogger(folder, name="", version=""),
+                    log_every_n_steps=1,
+                    callbacks=[cb.LearningRateMonitor("step", log_momentum=True, log_weight_decay=True)])
+        t.fit(model, loader(1))
+        dist.barrier()
+        with open(folder / "metrics.csv") as f:
+            rows = [{k: v for k, v in r.items() if not k.startswith("shard/") and v} for r in csv.DictReader(f)]
+        return {"rows": [r for r in rows if len(r) > 1], "state": state_of(t), "losses": model.losses}
+
+    runs = both(rank, root, run)
+    ours, ddp = runs["shard"], runs["ddp"]
+    assert [sorted(r) for r in ours["rows"]] == [sorted(r) for r in ddp["rows"]], (ours["rows"], ddp["rows"])
+    for a, b in zip(ours["rows"], ddp["rows"]):
+        same_losses([float(a[k]) for k in sorted(b)], [float(b[k]) for k in sorted(b)], "logged rows")
+    same_losses(ours["losses"], ddp["losses"], "grouped")
+    assert_same(ours["state"], ddp["state"], "grouped")
+    return {"columns": sorted(ours["rows"][0])}
+
+
 def run_scenarios(rank: int, world: int, names: list[str], root: str) -> dict[str, Any]:
     """Each named scenario in turn, in its own folder: its result, or the error it raised (as text)."""
     as_lightning_rank(rank, world)
@@ -489,6 +622,9 @@ def run_scenarios(rank: int, world: int, names: list[str], root: str) -> dict[st
         base, _, options = name.partition("@")
         OPTIONS.clear()
         OPTIONS.update({k: ast.literal_eval(v) for k, v in (o.split("=") for o in options.split(",") if o)})
+        MODEL["kind"] = OPTIONS.pop("model", "boring")
+        if MODEL["kind"] == "gpt":
+            OPTIONS.setdefault("units", ("Block",))
         try:
             results[name] = SCENARIOS[base](rank, world, Path(root) / name.replace("@", "_").replace("=", "-"))
         except Exception:  # noqa: BLE001 - reported per scenario
