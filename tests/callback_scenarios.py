@@ -245,20 +245,22 @@ def early_stopping(rank: int, world: int, root: Path) -> dict:
     return out
 
 
-class SlowNet(Net):
-    """Rank 1 steps slower: a wall-clock stop seen first by one rank."""
+class LateClock(cb.Callback):
+    """Before the ``max_time`` Timer (added after the Trainer's callbacks) starts its clock, rank 1 sleeps: each rank
+    alone would stop at another step."""
 
-    def training_step(self, batch, batch_idx):
-        if self.global_rank == 1:
-            time.sleep(0.05)
-        return super().training_step(batch, batch_idx)
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        if trainer.global_rank == 1:
+            time.sleep(1.0)
 
 
 @scenario
 def timer_stop(rank: int, world: int, root: Path) -> dict:
     """``Timer(duration=...)`` (``max_time``): the ranks stop at one step, without a hang."""
-    t = trainer(strategies()["shard"](), root, max_epochs=1000, max_time=timedelta(seconds=1.5))
-    model = SlowNet()
+    t = trainer(strategies()["shard"](), root, max_epochs=1000, max_time=timedelta(seconds=1.5),
+                callbacks=[LateClock()])
+    assert isinstance(t.callbacks[-1], cb.Timer)
+    model = Net()
     started = time.monotonic()
     t.fit(model, loader(1))
     steps = torch.tensor([t.global_step])
