@@ -6,122 +6,22 @@ twice on one Trainer, fractional ``val_check_interval`` with step checkpoints, a
 
 from __future__ import annotations
 
-import ast
 import csv
-import logging
-import os
-import sys
 import time
-import traceback
-import warnings
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import torch.distributed as dist
+from lightning.pytorch import callbacks as cb
+from lightning.pytorch.tuner import Tuner
 
-import lightning as L  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from lightning.pytorch import callbacks as cb  # noqa: E402
-from lightning.pytorch.tuner import Tuner  # noqa: E402
-from torch.utils.data import DataLoader  # noqa: E402
-
-from tests.lightning_port_models import (  # noqa: E402
-    BoringNet, assert_same, broadcast_path, dataset, shard, state_of, trainer,
+from tests.callback_models import (
+    MODEL, OPTIONS, BatchNet, FailingAt, GroupedNet, LateClock, Net, ValLosses, ValNet, assert_as_ddp, both, listing,
+    loader, run_named, same_losses, scenario, strategies,
 )
-from tests.lightning_port_models import loader as boring_loader  # noqa: E402
-from tests.models import TinyGPT  # noqa: E402
-from tests.world import as_lightning_rank  # noqa: E402
-
-SCENARIOS: dict[str, Callable[[int, int, Path], dict]] = {}
-
-
-# the model of a run's scenarios: "boring" (Lightning's BoringModel net) or "gpt" (tests/models.py's TinyGPT, its
-# embedding tied with its head, blocks as units); a scenario named "name@model='gpt'" runs with it
-MODEL = {"kind": "boring"}
-
-
-class Net(BoringNet):
-    """BoringNet, or TinyGPT on token batches (its loss the next token's), as ``MODEL`` says."""
-
-    def build(self) -> torch.nn.Module:  # type: ignore[override]
-        return TinyGPT() if MODEL["kind"] == "gpt" else BoringNet.build()
-
-    def loss(self, batch):
-        if MODEL["kind"] == "gpt":
-            return TinyGPT.loss(self.layer, batch[0], 0)
-        return super().loss(batch)
-
-    def between_units(self) -> torch.nn.Module:
-        return self.layer.blocks[1] if MODEL["kind"] == "gpt" else self.layer[1]
-
-
-def loader(seed: int = 1, n: int = 32) -> DataLoader:
-    if MODEL["kind"] == "gpt":
-        tokens = TinyGPT.batch(torch.Generator().manual_seed(seed), n)
-        return DataLoader(torch.utils.data.TensorDataset(tokens, torch.zeros(n)), batch_size=4)
-    return boring_loader(seed, n)
-
-
-def scenario(fn: Callable[[int, int, Path], dict]) -> Callable[[int, int, Path], dict]:
-    SCENARIOS[fn.__name__] = fn
-    return fn
-
-
-# ShardStrategy's options for every scenario of a run: a scenario named "name@option=value,..." runs with them
-OPTIONS: dict[str, Any] = {}
-
-
-def strategies(**shard_options: Any) -> dict[str, Callable[[], Any]]:
-    return {"ddp": lambda: "ddp", "shard": lambda: shard(**{**OPTIONS, **shard_options})}
-
-
-def listing(root: Path) -> list[str]:
-    """What a run left under its folder, relative; a checkpoint (a file, or our directory) is one entry."""
-    found: list[str] = []
-
-    def walk(folder: Path) -> None:
-        for path in sorted(folder.iterdir()):
-            if path.is_dir() and not path.name.endswith(".ckpt"):
-                walk(path)
-            else:
-                found.append(str(path.relative_to(root)))
-
-    if root.exists():
-        walk(root)
-    return found
-
-
-def same_losses(ours: list[float], reference: list[float], what: str) -> None:
-    assert len(ours) == len(reference), f"{what}: {len(ours)} losses, ddp {len(reference)}"
-    torch.testing.assert_close(torch.tensor(ours), torch.tensor(reference), rtol=1e-5, atol=1e-6,
-                               msg=lambda m: f"{what} losses: {m}")
-
-
-def both(rank: int, root: Path, run: Callable[[Any, Path], dict], **shard_options: Any) -> dict[str, dict]:
-    """``run(strategy, folder)`` under ddp, then ShardStrategy, on a fresh seed each."""
-    runs = {}
-    for name, make in strategies(**shard_options).items():
-        torch.manual_seed(0)
-        folder = broadcast_path(root / name)
-        strategy = make()
-        runs[name] = run(strategy, folder)
-        for option, value in {**OPTIONS, **shard_options}.items() if name == "shard" else ():  # the run's options were the strategy's
-            assert getattr(strategy, option) == value, (option, getattr(strategy, option), value)
-        dist.barrier()
-    return runs
-
-
-class BatchNet(Net):
-    """Net whose loader's batch size is the tuned ``batch_size``."""
-
-    def __init__(self, lr: float = 0.1) -> None:
-        super().__init__(lr)
-        self.batch_size = 2
-
-    def train_dataloader(self):
-        return DataLoader(dataset(1, 64), batch_size=self.batch_size)
+from tests.lightning_port_models import assert_same, shard, state_of, trainer
 
 
 @scenario
@@ -167,10 +67,12 @@ def scale_batch_size(rank: int, world: int, root: Path) -> dict:
                 if how == "tuner":
                     Tuner(trainer(make(), root / name)).scale_batch_size(model, steps_per_trial=2, init_val=2)
                 else:
-                    trainer(make(), root / name, callbacks=[cb.BatchSizeFinder(steps_per_trial=2, init_val=2)]).fit(model)
+                    finder = cb.BatchSizeFinder(steps_per_trial=2, init_val=2)
+                    trainer(make(), root / name, callbacks=[finder]).fit(model)
             except Exception as e:  # noqa: BLE001 - the refusal compared
                 said[f"{name} {how}"] = f"{type(e).__name__}: {e}"
-    assert said.get("shard tuner") == said.get("ddp tuner") and said.get("shard callback") == said.get("ddp callback"), said
+    for how in ("tuner", "callback"):
+        assert said.get(f"shard {how}") == said.get(f"ddp {how}") is not None, said
     return said
 
 
@@ -189,10 +91,7 @@ def accumulation_scheduler(rank: int, world: int, root: Path) -> dict:
             return {"losses": model.losses, "state": state_of(t), "steps": t.global_step}
 
         runs = both(rank, root / f"reduce{reduce}", run, reduce_during_accumulation=reduce)
-        assert runs["shard"]["steps"] == runs["ddp"]["steps"], (runs["shard"]["steps"], runs["ddp"]["steps"])
-        same_losses(runs["shard"]["losses"], runs["ddp"]["losses"], f"reduce={reduce}")
-        assert_same(runs["shard"]["state"], runs["ddp"]["state"], f"accumulation scheduler reduce={reduce}")
-        out[str(reduce)] = runs["shard"]["steps"]
+        out[str(reduce)] = assert_as_ddp(runs, f"accumulation scheduler reduce={reduce}")["steps"]
     return out
 
 
@@ -206,16 +105,7 @@ def limit_batches_partial_window(rank: int, world: int, root: Path) -> dict:
         t.fit(model, loader(1))
         return {"losses": model.losses, "state": state_of(t), "steps": t.global_step}
 
-    runs = both(rank, root, run)
-    assert runs["shard"]["steps"] == runs["ddp"]["steps"]
-    same_losses(runs["shard"]["losses"], runs["ddp"]["losses"], "partial window")
-    assert_same(runs["shard"]["state"], runs["ddp"]["state"], "partial window")
-    return {"steps": runs["shard"]["steps"]}
-
-
-class ValNet(Net):
-    def val_dataloader(self):
-        return loader(2)
+    return {"steps": assert_as_ddp(both(rank, root, run), "partial window")["steps"]}
 
 
 @scenario
@@ -230,28 +120,13 @@ def early_stopping(rank: int, world: int, root: Path) -> dict:
                        if where == "train" else cb.EarlyStopping("val_loss", patience=0, min_delta=0.01))
             t = trainer(strategy, folder, max_epochs=8, callbacks=[stopper])
             t.fit(model, loader(1))
-            return {"epoch": t.current_epoch, "step": t.global_step, "stopped": stopper.stopped_epoch,
+            return {"epoch": t.current_epoch, "steps": t.global_step, "stopped": stopper.stopped_epoch,
                     "wait": stopper.wait_count, "best": float(stopper.best_score), "state": state_of(t),
                     "losses": model.losses}
 
         runs = both(rank, root / where, run)
-        ours, ddp = runs["shard"], runs["ddp"]
-        assert (ours["epoch"], ours["step"], ours["stopped"], ours["wait"]) == \
-            (ddp["epoch"], ddp["step"], ddp["stopped"], ddp["wait"]), (where, ours, ddp)
-        torch.testing.assert_close(ours["best"], ddp["best"], rtol=1e-5, atol=1e-6)
-        same_losses(ours["losses"], ddp["losses"], f"early stopping {where}")
-        assert_same(ours["state"], ddp["state"], f"early stopping {where}")
-        out[where] = ours["stopped"]
+        out[where] = assert_as_ddp(runs, f"early stopping {where}", ("epoch", "steps", "stopped", "wait"))["stopped"]
     return out
-
-
-class LateClock(cb.Callback):
-    """Before the ``max_time`` Timer (added after the Trainer's callbacks) starts its clock, rank 1 sleeps: each rank
-    alone would stop at another step."""
-
-    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-        if trainer.global_rank == 1:
-            time.sleep(1.0)
 
 
 @scenario
@@ -302,46 +177,6 @@ def monitors(rank: int, world: int, root: Path) -> dict:
     return {"header": ours["header"]}
 
 
-class FailingNet(Net):
-    def training_step(self, batch, batch_idx):
-        if self.global_step == 2:
-            raise RuntimeError("planted failure")
-        return super().training_step(batch, batch_idx)
-
-
-@scenario
-def exception_checkpoint(rank: int, world: int, root: Path) -> dict:
-    """``OnExceptionCheckpoint``: a failure at step 2 (on every rank) saves the model; a fit resumed from it under the
-    same strategy ends with ddp's weights."""
-
-    def run(strategy: Any, folder: Path) -> dict:
-        t = trainer(strategy, folder, max_epochs=1, callbacks=[cb.OnExceptionCheckpoint(folder)],
-                    enable_checkpointing=True)
-        try:
-            t.fit(FailingNet(), loader(1))
-        except RuntimeError as e:
-            assert "planted failure" in str(e), e
-        else:
-            raise AssertionError("no failure")
-        dist.barrier()
-        left = listing(folder)
-        path = folder / "on_exception.ckpt"
-        strategy2 = "ddp" if strategy == "ddp" else shard(**OPTIONS)
-        torch.manual_seed(1)
-        model = Net()
-        t2 = trainer(strategy2, folder / "resumed", max_epochs=2)
-        t2.fit(model, loader(1), ckpt_path=str(path))
-        return {"left": left, "state": state_of(t2), "steps": t2.global_step, "losses": model.losses}
-
-    runs = both(rank, root, run)
-    ours, ddp = runs["shard"], runs["ddp"]
-    assert ours["left"] == ddp["left"], (ours["left"], ddp["left"])
-    assert ours["steps"] == ddp["steps"], (ours["steps"], ddp["steps"])
-    same_losses(ours["losses"], ddp["losses"], "resumed from on_exception.ckpt")
-    assert_same(ours["state"], ddp["state"], "resumed from on_exception.ckpt")
-    return {"left": ours["left"]}
-
-
 @scenario
 def fit_twice(rank: int, world: int, root: Path) -> dict:
     """``trainer.fit`` twice on one Trainer (max_epochs raised in between): the second fit goes on from the first."""
@@ -354,11 +189,7 @@ def fit_twice(rank: int, world: int, root: Path) -> dict:
         t.fit(model, loader(1))
         return {"losses": model.losses, "state": state_of(t), "steps": t.global_step}
 
-    runs = both(rank, root, run)
-    assert runs["shard"]["steps"] == runs["ddp"]["steps"]
-    same_losses(runs["shard"]["losses"], runs["ddp"]["losses"], "fit twice")
-    assert_same(runs["shard"]["state"], runs["ddp"]["state"], "fit twice")
-    return {"steps": runs["shard"]["steps"]}
+    return {"steps": assert_as_ddp(both(rank, root, run), "fit twice")["steps"]}
 
 
 @scenario
@@ -432,29 +263,15 @@ def callback_states_resumed(rank: int, world: int, root: Path) -> dict:
             t2 = trainer(again, folder, max_epochs=3, enable_checkpointing=True, callbacks=second)
             t2.fit(model2, loader(1), ckpt_path="last")
             stop, timer, ckpt = second
-            return {"wait": stop.wait_count, "best": float(stop.best_score), "timer": timer.state_dict()["time_elapsed"]["train"] > 0,
-                    "kth": sorted(Path(p).name for p in ckpt.best_k_models), "best_path": Path(ckpt.best_model_path).name,
+            return {"wait": stop.wait_count, "best": float(stop.best_score),
+                    "timer": timer.state_dict()["time_elapsed"]["train"] > 0,
+                    "kth": sorted(Path(p).name for p in ckpt.best_k_models),
+                    "best_path": Path(ckpt.best_model_path).name,
                     "losses": model2.losses, "state": state_of(t2)}
 
         runs = both(rank, root / form, run, state_dict_type=form)
-        ours, ddp = runs["shard"], runs["ddp"]
-        for key in ("wait", "timer", "kth", "best_path"):
-            assert ours[key] == ddp[key], (form, key, ours[key], ddp[key])
-        torch.testing.assert_close(ours["best"], ddp["best"], rtol=1e-5, atol=1e-6)
-        same_losses(ours["losses"], ddp["losses"], f"resumed {form}")
-        assert_same(ours["state"], ddp["state"], f"resumed {form}")
-        out[form] = ours["kth"]
+        out[form] = assert_as_ddp(runs, f"resumed {form}", ("wait", "timer", "kth", "best_path"))["kth"]
     return out
-
-
-class ValLosses(cb.Callback):
-    """Each validation's ``val_loss`` and the global step it ran at."""
-
-    def __init__(self) -> None:
-        self.seen: list[tuple[int, float]] = []
-
-    def on_validation_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-        self.seen.append((trainer.global_step, float(trainer.callback_metrics["val_loss"])))
 
 
 @scenario
@@ -507,39 +324,7 @@ def fit_another_model(rank: int, world: int, root: Path) -> dict:
             MODEL["kind"] = kind
         return {"losses": second.losses, "state": state_of(t), "steps": t.global_step}
 
-    runs = both(rank, root, run)
-    assert runs["shard"]["steps"] == runs["ddp"]["steps"], (runs["shard"]["steps"], runs["ddp"]["steps"])
-    same_losses(runs["shard"]["losses"], runs["ddp"]["losses"], "second model")
-    assert_same(runs["shard"]["state"], runs["ddp"]["state"], "second model")
-    return {"steps": runs["shard"]["steps"]}
-
-
-class FailingAt(ValNet):
-    """Raises on every rank at global step 2, in the place named: ``validation_step``, inside the model's forward
-    (between its units), ``on_after_backward``, or ``on_before_optimizer_step``."""
-
-    def __init__(self, where: str) -> None:
-        super().__init__()
-        self.where = where
-        self.between_units().register_forward_hook(self.maybe_fail_in_forward)
-
-    def fail(self, where: str) -> None:
-        if where == self.where and self.global_step == 2:
-            raise RuntimeError(f"planted failure in {where}")
-
-    def maybe_fail_in_forward(self, *args: Any) -> None:
-        if self.training:
-            self.fail("forward")
-
-    def validation_step(self, batch, batch_idx):
-        self.fail("validation_step")
-        return super().validation_step(batch, batch_idx)
-
-    def on_after_backward(self):
-        self.fail("on_after_backward")
-
-    def on_before_optimizer_step(self, optimizer):
-        self.fail("on_before_optimizer_step")
+    return {"steps": assert_as_ddp(both(rank, root, run), "second model")["steps"]}
 
 
 @scenario
@@ -571,24 +356,8 @@ def exception_places(rank: int, world: int, root: Path) -> dict:
             return {"state": state_of(t2), "steps": t2.global_step, "losses": model.losses}
 
         runs = both(rank, root / f"{where}{'_again' if same_trainer else ''}", run)
-        ours, ddp = runs["shard"], runs["ddp"]
-        assert ours["steps"] == ddp["steps"], (where, ours["steps"], ddp["steps"])
-        same_losses(ours["losses"], ddp["losses"], f"failure in {where}")
-        assert_same(ours["state"], ddp["state"], f"failure in {where}")
-        out[f"{where} again={same_trainer}"] = ours["steps"]
+        out[f"{where} again={same_trainer}"] = assert_as_ddp(runs, f"failure in {where}")["steps"]
     return out
-
-
-class GroupedNet(Net):
-    """Two parameter groups (decayed weights, undecayed biases), SGD with momentum and a step scheduler."""
-
-    def configure_optimizers(self):
-        weights = [p for n, p in self.named_parameters() if n.endswith("weight")]
-        biases = [p for n, p in self.named_parameters() if not n.endswith("weight")]
-        optimizer = torch.optim.SGD([{"params": weights, "weight_decay": 0.01}, {"params": biases, "lr": 0.02}],
-                                    lr=0.1, momentum=0.9)
-        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
 @scenario
@@ -619,25 +388,5 @@ def lr_monitor_groups(rank: int, world: int, root: Path) -> dict:
 
 
 def run_scenarios(rank: int, world: int, names: list[str], root: str) -> dict[str, Any]:
-    """Each named scenario in turn, in its own folder: its result, or the error it raised (as text)."""
-    as_lightning_rank(rank, world)
-    for name in ("lightning.pytorch", "lightning.fabric"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    warnings.simplefilter("ignore")
-    results: dict[str, Any] = {}
-    for name in names:
-        torch.manual_seed(0)
-        started = time.perf_counter()
-        base, _, options = name.partition("@")
-        OPTIONS.clear()
-        OPTIONS.update({k: ast.literal_eval(v) for k, v in (o.split("=") for o in options.split(",") if o)})
-        MODEL["kind"] = OPTIONS.pop("model", "boring")
-        if MODEL["kind"] == "gpt":
-            OPTIONS.setdefault("units", ("Block",))
-        try:
-            results[name] = SCENARIOS[base](rank, world, Path(root) / name.replace("@", "_").replace("=", "-"))
-        except Exception:  # noqa: BLE001 - reported per scenario
-            results[name] = {"error": traceback.format_exc()}
-        results[name]["seconds"] = round(time.perf_counter() - started, 1)
-        dist.barrier()
-    return results
+    """The world's function (its ranks import this module, which registers the scenarios)."""
+    return run_named(rank, world, names, root)
