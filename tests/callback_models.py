@@ -190,6 +190,19 @@ class GroupedNet(Net):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
+class RecordedSummary(cb.ModelSummary):
+    """Lightning's ModelSummary (or, with ``rich``, RichModelSummary's numbers) as rank 0 would print it."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self.seen: dict[str, Any] = {}
+
+    def summarize(self, summary_data, total_parameters, trainable_parameters, model_size,  # type: ignore[override]
+                  total_training_modes, total_flops, **options: Any) -> None:
+        self.seen = {"rows": summary_data, "total": total_parameters, "trainable": trainable_parameters,
+                     "size": model_size, "modes": total_training_modes, "flops": total_flops}
+
+
 def run_named(rank: int, world: int, names: list[str], root: str) -> dict[str, Any]:
     """Each named scenario (registered by ``scenario``) in turn, in its own folder: its result, or the error it
     raised (as text). A name ``"scenario@option=value,..."`` runs it with those ShardStrategy options (``model`` among

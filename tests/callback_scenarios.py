@@ -18,7 +18,8 @@ from lightning.pytorch import callbacks as cb
 from lightning.pytorch.tuner import Tuner
 
 from tests.callback_models import (
-    MODEL, OPTIONS, BatchNet, FailingAt, GroupedNet, LateClock, Net, ValLosses, ValNet, assert_as_ddp, both, listing,
+    MODEL, OPTIONS, BatchNet, FailingAt, GroupedNet, LateClock, Net, RecordedSummary, ValLosses, ValNet,
+    assert_as_ddp, both, listing,
     loader, run_named, same_losses, scenario, strategies,
 )
 from tests.lightning_port_models import assert_same, shard, state_of, trainer
@@ -97,15 +98,19 @@ def accumulation_scheduler(rank: int, world: int, root: Path) -> dict:
 
 @scenario
 def limit_batches_partial_window(rank: int, world: int, root: Path) -> dict:
-    """``limit_train_batches=3`` with ``accumulate_grad_batches=2``: Lightning steps on the last, one-batch window."""
+    """``limit_train_batches=3`` with ``accumulate_grad_batches=2``: Lightning steps on the last, one-batch window;
+    also with gradient clipping by norm (on the window's gradients)."""
+    out = {}
+    for clip in (None, 0.05):
+        def run(strategy: Any, folder: Path) -> dict:
+            model = Net()
+            t = trainer(strategy, folder, max_epochs=2, limit_train_batches=3, accumulate_grad_batches=2,
+                        gradient_clip_val=clip)
+            t.fit(model, loader(1))
+            return {"losses": model.losses, "state": state_of(t), "steps": t.global_step}
 
-    def run(strategy: Any, folder: Path) -> dict:
-        model = Net()
-        t = trainer(strategy, folder, max_epochs=2, limit_train_batches=3, accumulate_grad_batches=2)
-        t.fit(model, loader(1))
-        return {"losses": model.losses, "state": state_of(t), "steps": t.global_step}
-
-    return {"steps": assert_as_ddp(both(rank, root, run), "partial window")["steps"]}
+        out[f"clip={clip}"] = assert_as_ddp(both(rank, root / f"clip{clip}", run), f"partial window, clip={clip}")["steps"]
+    return out
 
 
 @scenario
@@ -385,6 +390,27 @@ def lr_monitor_groups(rank: int, world: int, root: Path) -> dict:
     same_losses(ours["losses"], ddp["losses"], "grouped")
     assert_same(ours["state"], ddp["state"], "grouped")
     return {"columns": sorted(ours["rows"][0])}
+
+
+@scenario
+def model_summary(rank: int, world: int, root: Path) -> dict:
+    """The model summary a fit prints (``max_depth=3``, an example input: its FLOPs too, with a frozen layer): rows,
+    totals, size and FLOPs as ddp's, from full shapes."""
+
+    def run(strategy: Any, folder: Path) -> dict:
+        model = Net()
+        first = next(iter(loader(1)))[0]
+        model.example_input_array = first[:, :-1] if MODEL["kind"] == "gpt" else first  # (its tokens, but the last)
+        next(iter(model.layer.children())).requires_grad_(False)
+        summary = RecordedSummary(max_depth=3)
+        t = trainer(strategy, folder, max_steps=1, enable_model_summary=True, callbacks=[summary])
+        t.fit(model, loader(1))
+        return {"seen": summary.seen}
+
+    runs = both(rank, root, run)
+    if rank == 0:
+        assert runs["shard"]["seen"] == runs["ddp"]["seen"], (runs["shard"]["seen"], runs["ddp"]["seen"])
+    return {"seen": runs["shard"]["seen"]}
 
 
 def run_scenarios(rank: int, world: int, names: list[str], root: str) -> dict[str, Any]:

@@ -27,7 +27,7 @@ def test_callbacks_and_tuner_as_ddp(tmp_path):
     results = run(tmp_path, "lr_find", "lr_finder_callback", "scale_batch_size", "accumulation_scheduler",
                   "limit_batches_partial_window", "early_stopping", "validation_mid_window", "timer_stop", "monitors",
                   "lr_monitor_groups", "exception_places", "fit_twice", "fit_another_model",
-                  "val_interval_step_checkpoints", "callback_states_resumed")
+                  "val_interval_step_checkpoints", "callback_states_resumed", "model_summary")
     assert results["lr_find"]["suggestion"] is not None
     assert (results["accumulation_scheduler"]["True"], results["accumulation_scheduler"]["False"]) == (8, 8)
     assert results["val_interval_step_checkpoints"]["steps"] == ["epoch=0-step=3.ckpt", "epoch=1-step=6.ckpt"]
@@ -44,4 +44,4 @@ def test_callbacks_with_strategy_options(tmp_path):
         "validation_mid_window@model='gpt',reduce_during_accumulation=False",
         "exception_places@offload='optimizer'", "early_stopping@model='gpt'",
         "limit_batches_partial_window@sharding='hybrid',shard_size=1", "callback_states_resumed@model='gpt'",
-        "fit_another_model@async_save=True")
+        "fit_another_model@async_save=True", "model_summary@model='gpt'")
