@@ -178,6 +178,18 @@ class FailingAt(ValNet):
         self.fail("on_before_optimizer_step")
 
 
+class FailingSetup(ValNet):
+    """Raises in its ``setup`` hook (before ShardStrategy shards the model), unless ``fine``."""
+
+    def __init__(self, fine: bool = False) -> None:
+        super().__init__()
+        self.fine = fine
+
+    def setup(self, stage: str) -> None:
+        if not self.fine:
+            raise RuntimeError("planted failure in setup")
+
+
 class GroupedNet(Net):
     """Two parameter groups (decayed weights, undecayed biases), SGD with momentum and a step scheduler."""
 

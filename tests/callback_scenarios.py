@@ -18,7 +18,7 @@ from lightning.pytorch import callbacks as cb
 from lightning.pytorch.tuner import Tuner
 
 from tests.callback_models import (
-    MODEL, OPTIONS, BatchNet, FailingAt, GroupedNet, LateClock, Net, RecordedSummary, ValLosses, ValNet,
+    MODEL, OPTIONS, BatchNet, FailingAt, FailingSetup, GroupedNet, LateClock, Net, RecordedSummary, ValLosses, ValNet,
     assert_as_ddp, both, listing,
     loader, run_named, same_losses, scenario, strategies,
 )
@@ -109,7 +109,8 @@ def limit_batches_partial_window(rank: int, world: int, root: Path) -> dict:
             t.fit(model, loader(1))
             return {"losses": model.losses, "state": state_of(t), "steps": t.global_step}
 
-        out[f"clip={clip}"] = assert_as_ddp(both(rank, root / f"clip{clip}", run), f"partial window, clip={clip}")["steps"]
+        runs = both(rank, root / f"clip{clip}", run)
+        out[f"clip={clip}"] = assert_as_ddp(runs, f"partial window, clip={clip}")["steps"]
     return out
 
 
@@ -149,37 +150,6 @@ def timer_stop(rank: int, world: int, root: Path) -> dict:
     assert len({int(s) for s in everyone}) == 1, everyone
     assert 0 < t.global_step < 4000 and t.current_epoch < 999, (t.global_step, t.current_epoch)  # stopped by time
     return {"steps": int(steps), "seconds": time.monotonic() - started}
-
-
-@scenario
-def monitors(rank: int, world: int, root: Path) -> dict:
-    """``LearningRateMonitor``, ``ThroughputMonitor`` and ``DeviceStatsMonitor`` with a CSV logger: the same logged
-    keys and learning rates as ddp."""
-    from lightning.pytorch.callbacks import ThroughputMonitor
-    from lightning.pytorch.loggers import CSVLogger
-
-    def run(strategy: Any, folder: Path) -> dict:
-        model = Net()
-        logger = CSVLogger(folder, name="", version="")
-        t = trainer(strategy, folder, max_epochs=1, logger=logger, log_every_n_steps=1,
-                    callbacks=[cb.LearningRateMonitor(logging_interval="step"),
-                               ThroughputMonitor(batch_size_fn=lambda b: b[0].shape[0]),
-                               cb.DeviceStatsMonitor()])
-        t.fit(model, loader(1))
-        dist.barrier()
-        with open(folder / "metrics.csv") as f:
-            rows = list(csv.DictReader(f))
-        # the strategy's own figures (shard/...) left out: ddp has none
-        header = sorted(k for k in rows[0] if not k.startswith("shard/"))
-        lrs = [(r["step"], float(r["lr-AdamW"])) for r in rows if r.get("lr-AdamW")]
-        return {"header": header, "lr": lrs, "state": state_of(t)}
-
-    runs = both(rank, root, run)
-    ours, ddp = runs["shard"], runs["ddp"]
-    assert ours["header"] == ddp["header"], (set(ours["header"]) ^ set(ddp["header"]))
-    assert ours["lr"] == ddp["lr"] and len(ours["lr"]) == 4, (ours["lr"], ddp["lr"])
-    assert_same(ours["state"], ddp["state"], "monitors")
-    return {"header": ours["header"]}
 
 
 @scenario
@@ -366,30 +336,34 @@ def exception_places(rank: int, world: int, root: Path) -> dict:
 
 
 @scenario
-def lr_monitor_groups(rank: int, world: int, root: Path) -> dict:
-    """``LearningRateMonitor(log_momentum=True, log_weight_decay=True)`` on two parameter groups: the same columns
-    and values as ddp."""
+def monitors(rank: int, world: int, root: Path) -> dict:
+    """``LearningRateMonitor(log_momentum=True, log_weight_decay=True)`` on two parameter groups,
+    ``ThroughputMonitor`` and ``DeviceStatsMonitor``, with a CSV logger: ddp's columns, and its values of the
+    learning rates, momenta, weight decays and losses."""
     from lightning.pytorch.loggers import CSVLogger
 
     def run(strategy: Any, folder: Path) -> dict:
         model = GroupedNet()
         t = trainer(strategy, folder, max_epochs=1, logger=CSVLogger(folder, name="", version=""),
                     log_every_n_steps=1,
-                    callbacks=[cb.LearningRateMonitor("step", log_momentum=True, log_weight_decay=True)])
+                    callbacks=[cb.LearningRateMonitor("step", log_momentum=True, log_weight_decay=True),
+                               cb.ThroughputMonitor(batch_size_fn=lambda b: b[0].shape[0]), cb.DeviceStatsMonitor()])
         t.fit(model, loader(1))
         dist.barrier()
-        with open(folder / "metrics.csv") as f:
-            rows = [{k: v for k, v in r.items() if not k.startswith("shard/") and v} for r in csv.DictReader(f)]
-        return {"rows": [r for r in rows if len(r) > 1], "state": state_of(t), "losses": model.losses}
+        with open(folder / "metrics.csv") as f:  # the strategy's own figures (shard/...) left out: ddp has none
+            rows = [{k: v for k, v in r.items() if not k.startswith("shard/")} for r in csv.DictReader(f)]
+        values = [{k: float(v) for k, v in r.items() if v and k.startswith(("lr-", "train_loss"))} for r in rows]
+        return {"columns": sorted(rows[0]), "values": [v for v in values if v], "state": state_of(t),
+                "losses": model.losses, "steps": t.global_step}
 
     runs = both(rank, root, run)
     ours, ddp = runs["shard"], runs["ddp"]
-    assert [sorted(r) for r in ours["rows"]] == [sorted(r) for r in ddp["rows"]], (ours["rows"], ddp["rows"])
-    for a, b in zip(ours["rows"], ddp["rows"]):
-        same_losses([float(a[k]) for k in sorted(b)], [float(b[k]) for k in sorted(b)], "logged rows")
-    same_losses(ours["losses"], ddp["losses"], "grouped")
-    assert_same(ours["state"], ddp["state"], "grouped")
-    return {"columns": sorted(ours["rows"][0])}
+    assert ours["columns"] == ddp["columns"], set(ours["columns"]) ^ set(ddp["columns"])
+    assert [sorted(r) for r in ours["values"]] == [sorted(r) for r in ddp["values"]], (ours["values"], ddp["values"])
+    for a, b in zip(ours["values"], ddp["values"]):
+        same_losses([a[k] for k in sorted(b)], [b[k] for k in sorted(b)], "logged values")
+    assert_as_ddp(runs, "monitors")
+    return {"columns": ours["columns"]}
 
 
 @scenario
@@ -411,6 +385,47 @@ def model_summary(rank: int, world: int, root: Path) -> dict:
     if rank == 0:
         assert runs["shard"]["seen"] == runs["ddp"]["seen"], (runs["shard"]["seen"], runs["ddp"]["seen"])
     return {"seen": runs["shard"]["seen"]}
+
+
+@scenario
+def exception_before_sharding(rank: int, world: int, root: Path) -> dict:
+    """``OnExceptionCheckpoint`` after a failure before the model is sharded: in the module's ``setup`` hook, in a
+    second fit's ``setup`` (the Trainer's runtime still the first model's), and ShardStrategy's own refusal of a bad
+    ``units``. The user's error is raised (it was a bare ``AssertionError`` from the checkpoint's state dict), and the
+    checkpoint written holds the whole model as it was, as ddp's (one file, rank 0's), and no optimizer state (a
+    second fit's ddp checkpoint holds the first model's)."""
+    out = {}
+    for where in ("setup", "second fit", "units"):
+        def run(strategy: Any, folder: Path) -> dict:
+            bad_units = where == "units" and strategy != "ddp"
+            make = (lambda: shard(**{**OPTIONS, "units": ["Conv2d"]})) if bad_units else (lambda: strategy)
+            t = trainer(make(), folder, max_epochs=1, callbacks=[cb.OnExceptionCheckpoint(folder)],
+                        enable_checkpointing=True)
+            if where == "second fit":
+                t.fit(Net(), loader(1))
+            model = FailingSetup(fine=bad_units)  # (ddp's counterpart of the bad units: a failing setup)
+            initial = {k: v.clone() for k, v in model.state_dict().items()}
+            try:
+                t.fit(model, loader(1))
+            except Exception as e:  # noqa: BLE001 - what the user is told, compared
+                said = f"{type(e).__name__}: {e}"
+            else:
+                raise AssertionError("no failure")
+            dist.barrier()
+            saved = torch.load(folder / "on_exception.ckpt", weights_only=False)
+            assert_same(saved["state_dict"], initial, f"{where}: the checkpoint's weights", 0, 0)
+            return {"said": said, "left": listing(folder), "optimizers": len(saved["optimizer_states"])}
+
+        runs = both(rank, root / where.replace(" ", "_"), run)
+        ours, ddp = runs["shard"], runs["ddp"]
+        if where == "units":
+            assert ours["said"].startswith("ValueError: `units` entries ['Conv2d'] match no module"), ours["said"]
+        else:
+            assert ours["said"] == ddp["said"] == "RuntimeError: planted failure in setup", (ours["said"], ddp["said"])
+        assert ours["left"] == ddp["left"] == ["on_exception.ckpt"], (ours["left"], ddp["left"])
+        assert ours["optimizers"] == 0, ours["optimizers"]  # (ddp's second fit saved the first model's)
+        out[where] = ours["said"]
+    return out
 
 
 def run_scenarios(rank: int, world: int, names: list[str], root: str) -> dict[str, Any]:

@@ -20,14 +20,15 @@ def test_callbacks_and_tuner_as_ddp(tmp_path):
     ``scale_batch_size``/``BatchSizeFinder`` refused as ddp's; ``GradientAccumulationScheduler`` under either
     ``reduce_during_accumulation``; a last accumulation window cut short by ``limit_train_batches``; ``EarlyStopping``
     at the train epoch's end and on validation, also inside an accumulation window, then fitted on; ``Timer``
-    (``max_time``) with one slow rank; the monitors' columns and learning rates; ``OnExceptionCheckpoint`` after
-    failures in four places, resumed by a new Trainer and by the failed one; ``fit`` twice, and a second, other
-    model on one Trainer; fractional ``val_check_interval`` with step and top-k checkpoints; callback states resumed
-    from sharded and full checkpoints."""
+    (``max_time``), its clocks apart on the ranks; the monitors' columns and learning rates; ``OnExceptionCheckpoint``
+    after failures in four places, resumed by a new Trainer and by the failed one, and after failures before the
+    model is sharded (the user's error raised, not an AssertionError of the checkpoint's state dict); ``fit`` twice,
+    and a second, other model on one Trainer; fractional ``val_check_interval`` with step and top-k checkpoints;
+    callback states resumed from sharded and full checkpoints; the model summary."""
     results = run(tmp_path, "lr_find", "lr_finder_callback", "scale_batch_size", "accumulation_scheduler",
                   "limit_batches_partial_window", "early_stopping", "validation_mid_window", "timer_stop", "monitors",
-                  "lr_monitor_groups", "exception_places", "fit_twice", "fit_another_model",
-                  "val_interval_step_checkpoints", "callback_states_resumed", "model_summary")
+                  "exception_places", "exception_before_sharding", "fit_twice",
+                  "fit_another_model", "val_interval_step_checkpoints", "callback_states_resumed", "model_summary")
     assert results["lr_find"]["suggestion"] is not None
     assert (results["accumulation_scheduler"]["True"], results["accumulation_scheduler"]["False"]) == (8, 8)
     assert results["val_interval_step_checkpoints"]["steps"] == ["epoch=0-step=3.ckpt", "epoch=1-step=6.ckpt"]
@@ -42,6 +43,7 @@ def test_callbacks_with_strategy_options(tmp_path):
     run(tmp_path, "lr_find@offload='optimizer'", "lr_finder_callback@async_save=True",
         "accumulation_scheduler@model='gpt',reduce_during_accumulation=False",
         "validation_mid_window@model='gpt',reduce_during_accumulation=False",
-        "exception_places@offload='optimizer'", "early_stopping@model='gpt'",
+        "exception_places@offload='optimizer'", "exception_before_sharding@state_dict_type='full'",
+        "early_stopping@model='gpt'",
         "limit_batches_partial_window@sharding='hybrid',shard_size=1", "callback_states_resumed@model='gpt'",
         "fit_another_model@async_save=True", "model_summary@model='gpt'")
