@@ -390,20 +390,24 @@ def model_summary(rank: int, world: int, root: Path) -> dict:
 @scenario
 def exception_before_sharding(rank: int, world: int, root: Path) -> dict:
     """``OnExceptionCheckpoint`` after a failure before the model is sharded: in the module's ``setup`` hook, in a
-    second fit's ``setup`` (the Trainer's runtime still the first model's), and ShardStrategy's own refusal of a bad
-    ``units``. The user's error is raised (it was a bare ``AssertionError`` from the checkpoint's state dict), and the
+    second fit's ``setup`` (the Trainer's runtime still the first model's), ShardStrategy's own refusal of a bad
+    ``units``, and its refusal of ``ModelPruning`` (now before sharding: it was masked by ModelPruning's
+    ``on_save_checkpoint`` calling ``state_dict()`` on the shards). The user's error is raised (it was a bare ``AssertionError`` from the checkpoint's state dict), and the
     checkpoint written holds the whole model as it was, as ddp's (one file, rank 0's), and no optimizer state (a
     second fit's ddp checkpoint holds the first model's)."""
     out = {}
-    for where in ("setup", "second fit", "units"):
+    for where in ("setup", "second fit", "units", "refused callback"):
         def run(strategy: Any, folder: Path) -> dict:
-            bad_units = where == "units" and strategy != "ddp"
-            make = (lambda: shard(**{**OPTIONS, "units": ["Conv2d"]})) if bad_units else (lambda: strategy)
-            t = trainer(make(), folder, max_epochs=1, callbacks=[cb.OnExceptionCheckpoint(folder)],
+            refused = where in ("units", "refused callback") and strategy != "ddp"  # (ddp's counterpart: setup fails)
+            make = (lambda: shard(**{**OPTIONS, "units": ["Conv2d"]})) if where == "units" and refused else \
+                (lambda: strategy)
+            pruning = [cb.ModelPruning("l1_unstructured", amount=0.5)] if where == "refused callback" and refused \
+                else []
+            t = trainer(make(), folder, max_epochs=1, callbacks=[cb.OnExceptionCheckpoint(folder), *pruning],
                         enable_checkpointing=True)
             if where == "second fit":
                 t.fit(Net(), loader(1))
-            model = FailingSetup(fine=bad_units)  # (ddp's counterpart of the bad units: a failing setup)
+            model = FailingSetup(fine=refused)
             initial = {k: v.clone() for k, v in model.state_dict().items()}
             try:
                 t.fit(model, loader(1))
@@ -414,12 +418,16 @@ def exception_before_sharding(rank: int, world: int, root: Path) -> dict:
             dist.barrier()
             saved = torch.load(folder / "on_exception.ckpt", weights_only=False)
             assert_same(saved["state_dict"], initial, f"{where}: the checkpoint's weights", 0, 0)
+            if refused:  # the model left whole: ddp fits it
+                trainer("ddp", folder / "ddp", max_steps=1).fit(model, loader(1))
             return {"said": said, "left": listing(folder), "optimizers": len(saved["optimizer_states"])}
 
         runs = both(rank, root / where.replace(" ", "_"), run)
         ours, ddp = runs["shard"], runs["ddp"]
         if where == "units":
             assert ours["said"].startswith("ValueError: `units` entries ['Conv2d'] match no module"), ours["said"]
+        elif where == "refused callback":
+            assert ours["said"].startswith("ValueError: lightning_shard: ['ModelPruning'] prune"), ours["said"]
         else:
             assert ours["said"] == ddp["said"] == "RuntimeError: planted failure in setup", (ours["said"], ddp["said"])
         assert ours["left"] == ddp["left"] == ["on_exception.ckpt"], (ours["left"], ddp["left"])

@@ -41,7 +41,7 @@ from lightning_shard.engine.runtime.averaging import AveragedShards
 from lightning_shard.engine.runtime.hooks import ShardRuntime
 from lightning_shard.engine.storage.offload import validate_offload
 from lightning_shard.lightning.after_step import after_step
-from lightning_shard.lightning.at_setup import prepare_fit, shard_model
+from lightning_shard.lightning.at_setup import prepare_fit, refuse_callbacks, shard_model
 from lightning_shard.lightning.checkpointing import CheckpointState
 from lightning_shard.lightning.evaluation import EvaluationHold
 from lightning_shard.lightning.finetuning import record_merged_groups
@@ -219,6 +219,8 @@ class ShardStrategy(ParallelStrategy):
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            refuse_callbacks(trainer)
         if self.runtime is None or self.runtime.root is not self.model:
             shard_model(self, self._layer_sync)  # (sets self.runtime)
         self.runtime.apply_checks = [partial(refuse_other_strategies, self.model, ShardStrategy)]
