@@ -12,18 +12,13 @@ import pytest
 import torch
 
 from tests import lightning_port_scenarios as scenarios
-from tests.world import run_world
+from tests.world import run_world, scenarios_passed
 
 pytestmark = pytest.mark.timeout(600)
 
 
 def run(tmp_path, *names: str) -> dict:
-    results = run_world(scenarios.run_scenarios, 2, list(names), str(tmp_path), timeout=500)
-    failed = {name: result["error"] for name, result in results[0].items() if "error" in result}
-    failed.update({f"{name} (rank 1)": result["error"] for name, result in results[1].items()
-                   if "error" in result and name not in failed})
-    assert not failed, "\n\n".join(f"--- {name}\n{error}" for name, error in failed.items())
-    return results[0]
+    return scenarios_passed(run_world(scenarios.run_scenarios, 2, list(names), str(tmp_path), timeout=500))
 
 
 def test_checkpoints_round_trip_and_resume_as_ddp(tmp_path):

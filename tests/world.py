@@ -102,6 +102,17 @@ def run_world(fn: Callable, world_size: int, *args: Any, timeout: float = 240, p
         return results
 
 
+def scenarios_passed(results: list[dict[str, dict]]) -> dict[str, dict]:
+    """A world of named scenarios (each rank's ``{name: result}``, a failed one's result ``{"error": text}``): rank 0's
+    results, or an AssertionError with every rank's errors."""
+    failed = {name: result["error"] for name, result in results[0].items() if "error" in result}
+    for rank, answers in enumerate(results[1:], start=1):
+        failed.update({f"{name} (rank {rank})": result["error"] for name, result in answers.items()
+                       if "error" in result and name not in failed})
+    assert not failed, "\n\n".join(f"--- {name}\n{error}" for name, error in failed.items())
+    return results[0]
+
+
 @contextmanager
 def one_rank_here() -> Iterator[None]:
     """Trainers with ``devices=1`` run in this process: quiet, and the process group they start destroyed after, so

@@ -69,12 +69,18 @@ def shard_model(strategy: Any, layer_sync: Optional[LayerSync]) -> None:
     rank_zero_debug("lightning_shard units:\n" + plan_listing(runtime))
 
 
+def refuse_callbacks(trainer: "pl.Trainer") -> None:
+    """A fit's callbacks that cannot run on a sharded model, refused before it is sharded: the model stays whole (a
+    fit under another strategy may take it), and OnExceptionCheckpoint saves it as DDP would, rather than calling their
+    ``on_save_checkpoint`` on the shards."""
+    refuse_weight_averaging(trainer.callbacks)
+    refuse_pruning(trainer.callbacks)
+
+
 def prepare_fit(strategy: Any, trainer: "pl.Trainer") -> None:
     """A fit's setup, once the optimizers are attached and their state moved (the strategy's setup): what the callbacks
     ask refused or summarised, and what the strategy decides for the whole fit (gradients freed after each step,
     offload's overlap, the memory estimate)."""
-    refuse_weight_averaging(trainer.callbacks)
-    refuse_pruning(trainer.callbacks)
     strategy.checkpoints.check_module_state_dict(strategy.runtime, strategy.state_dict_type)
     summarize_in_full_shapes(trainer.callbacks)
     strategy.frees_grads_after_step = frees_grads_after_step(trainer, strategy.free_grads_after_step)

@@ -41,7 +41,7 @@ from lightning_shard.engine.runtime.averaging import AveragedShards
 from lightning_shard.engine.runtime.hooks import ShardRuntime
 from lightning_shard.engine.storage.offload import validate_offload
 from lightning_shard.lightning.after_step import after_step
-from lightning_shard.lightning.at_setup import prepare_fit, shard_model
+from lightning_shard.lightning.at_setup import prepare_fit, refuse_callbacks, shard_model
 from lightning_shard.lightning.checkpointing import CheckpointState
 from lightning_shard.lightning.evaluation import EvaluationHold
 from lightning_shard.lightning.finetuning import record_merged_groups
@@ -219,6 +219,8 @@ class ShardStrategy(ParallelStrategy):
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            refuse_callbacks(trainer)
         if self.runtime is None or self.runtime.root is not self.model:
             shard_model(self, self._layer_sync)  # (sets self.runtime)
         self.runtime.apply_checks = [partial(refuse_other_strategies, self.model, ShardStrategy)]
@@ -417,8 +419,15 @@ class ShardStrategy(ParallelStrategy):
         super().on_exception(exception)
 
     # -- checkpoints (checkpointing.py) -------------------------------------------------------------
+    def _sharded_now(self) -> bool:
+        """Whether this stage's model is sharded: not yet where its setup failed before sharding it (in the module's
+        ``setup`` hook, ``configure_model``, a refused option), when OnExceptionCheckpoint saves it; there it is whole
+        on every rank, as DDP's, and an earlier fit's runtime (the Trainer's) is another model's."""
+        return self.runtime is not None and self.runtime.root is self.model
+
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        assert self.runtime is not None
+        if not self._sharded_now():  # whole, as DDP's: the module's own state dict
+            return super().lightning_module_state_dict()
         return self.checkpoints.module_state(self.runtime, self.optimizers, self.state_dict_type, self.save_frozen)
 
     def averaged_state_dict(self, average: AveragedShards) -> dict[str, Any]:  # (ShardedWeightAveraging's)
@@ -434,11 +443,14 @@ class ShardStrategy(ParallelStrategy):
         """Written beside the target and moved into place when complete: a save that fails or is killed
         half-way leaves the previous checkpoint intact, and a partial one never carries its name."""
         path = Path(self.broadcast(os.fspath(filepath)))
-        if self.runtime is not None:
+        sharded = self._sharded_now()  # (not yet sharded: the whole model, one full file written by rank 0, as DDP's)
+        if sharded:
             checkpoint[RECORD] = self.checkpoints.record(self.runtime, self.optimizers, self.save_frozen)
+        elif self.optimizers:  # an earlier fit's, of another model's shards: this model has none yet
+            checkpoint["optimizer_states"], checkpoint["lr_schedulers"] = [], []
         trainer = getattr(self.lightning_module, "_trainer", None)
-        self.checkpoints.save(checkpoint, path, storage_options, self.state_dict_type, self.is_global_zero,
-                              self.checkpoint_io, trainer)
+        self.checkpoints.save(checkpoint, path, storage_options, self.state_dict_type if sharded else "full",
+                              self.is_global_zero, self.checkpoint_io, trainer)
 
     def remove_checkpoint(self, filepath: Any) -> None:
         """Under ``async_save``, once the save in flight has committed (until then this may be the newest complete
