@@ -16,15 +16,10 @@ import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.types import ReduceOp
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.core.optimizer import LightningOptimizer, _MockOptimizer
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.parallel import ParallelStrategy
-from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.optim import Optimizer
 
@@ -48,14 +43,14 @@ from lightning_shard.lightning.finetuning import record_merged_groups
 from lightning_shard.lightning.guards import refuse_other_strategies
 from lightning_shard.lightning.offload_overlap import arm_for_step
 from lightning_shard.lightning.options import (check_count, check_declared_optimizers, check_flag, check_nonfinite,
-                                               check_timeout, check_units_or_size)
+                                               check_units_or_size)
 from lightning_shard.lightning.precision import (MixedPrecision, ShardPrecision, shard_precision_of,
                                                  validate_mixed_precision)
-from lightning_shard.lightning.process_group import ProcessGroup
+from lightning_shard.lightning.process_strategy import ProcessGroupStrategy
 from lightning_shard.memory.estimate import MemoryEstimate
 
 
-class ShardStrategy(ParallelStrategy):
+class ShardStrategy(ProcessGroupStrategy):
     """Fully sharded data parallel training, implemented on ``torch.distributed`` collectives. Every option, with
     what it costs and what it changes, is in docs/options.md; in short:
 
@@ -96,7 +91,7 @@ class ShardStrategy(ParallelStrategy):
     ``configure_model()`` and ``trainer.init_module(empty_init=True)`` build the model on the meta device;
     setup materialises it unit by unit (each module's ``reset_parameters()``), keeping only this rank's shards.
 
-    Its parts: ``processes`` (process_group.py), ``evaluation`` (evaluation.py), ``checkpoints`` (checkpointing.py),
+    Its parts: ``processes`` (process_group.py, held by its base, process_strategy.py), ``evaluation`` (evaluation.py), ``checkpoints`` (checkpointing.py),
     and, once the model is sharded, ``runtime`` (the engine's); Lightning's hooks here hand each what it needs.
     """
 
@@ -135,13 +130,10 @@ class ShardStrategy(ParallelStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[Union[timedelta, float]] = default_pg_timeout,
     ) -> None:
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-        )
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin, process_group_backend=process_group_backend,
+                         timeout=timeout)
         self.sharding = validate_sharding(sharding)
         self.shard_size = validate_shard_size(shard_size, sharding)
         self.units = validate_units(units)
@@ -171,32 +163,13 @@ class ShardStrategy(ParallelStrategy):
         self.keep_gathered_in_eval = check_flag("keep_gathered_in_eval", keep_gathered_in_eval)
         self.compile = validate_compile(compile)
         refuse_with_elision(self.compile, self.elide_backward_gathers)
-        self.processes = ProcessGroup(check_timeout(timeout), process_group_backend)
         self.evaluation = EvaluationHold()
         self.checkpoints = CheckpointState()
         self.told_shard_norms = False  # the warning about Lightning's grad_norm of the shards was given (after_step.py)
-        self.num_nodes = 1
         self.runtime: Optional[ShardRuntime] = None
         self.memory_estimate: Optional[MemoryEstimate] = None  # per rank, set at setup for fitting
 
     # -- properties Lightning asks for --------------------------------------------------------------
-    @property
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    def is_distributed(self) -> bool:  # DistributedSampler injection and `sync_dist` depend on it
-        return True
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
     @property
     def restore_checkpoint_after_setup(self) -> bool:  # load into the sharded model
         return True
@@ -339,36 +312,7 @@ class ShardStrategy(ParallelStrategy):
             result[f"grad_{norm_type}_norm_total"] = total
         return result
 
-    # -- processes and the process group (process_group.py) -------------------------------------------
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        launcher = self.processes.launcher(self.cluster_environment, self.num_processes, self.num_nodes)
-        if launcher is not None:
-            self._launcher = launcher
-
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        reset_seed()
-        self.set_world_ranks()
-        assert self.cluster_environment is not None
-        self.processes.connect(self.cluster_environment, self.root_device)
-
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
-
-    def barrier(self, name: Optional[str] = None) -> None:
-        self.processes.barrier(lambda: self.root_device)
-
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        return self.processes.broadcast(obj, src)
-
-    def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None,
-               reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Union[Tensor, Any]:
-        return self.processes.reduce(tensor, group, reduce_op)
-
+    # -- a stage's end (process_group.py) ------------------------------------------------------------
     def teardown(self) -> None:
         # Unlike the base class, do not move the module to CPU: that would break its shard views.
         assert self.cluster_environment is not None and self.accelerator is not None
