@@ -3,12 +3,10 @@ optimizer and precision hooks, checkpoint state)."""
 
 from __future__ import annotations
 
-import os
-from collections.abc import Generator, Iterable, Mapping, Sequence
+from collections.abc import Generator, Iterable, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from functools import partial
-from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 import lightning.pytorch as pl
@@ -23,21 +21,16 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_shard.checkpoint.export import save_pretrained
-from lightning_shard.checkpoint.export_checkpoint import RECORD
-from lightning_shard.checkpoint.io import open_checkpoint, validate_async_save, validate_state_dict_type
 from lightning_shard.engine.comm.groups import validate_shard_size, validate_sharding
 from lightning_shard.engine.optim.optimizer_step import DEFAULT_STEP_GROUP_NUMEL
 from lightning_shard.engine.optim.optimizers import WHOLE, optimizer_kind
 from lightning_shard.engine.plan.plan import UnitSpec, validate_min_unit_size, validate_unit_size, validate_units
 from lightning_shard.engine.runtime.activation_checkpointing import CheckpointSpec, validate_activation_checkpointing
 from lightning_shard.engine.runtime.compile import refuse_with_elision, validate_compile
-from lightning_shard.engine.runtime.averaging import AveragedShards
-from lightning_shard.engine.runtime.hooks import ShardRuntime
 from lightning_shard.engine.storage.offload import validate_offload
 from lightning_shard.lightning.after_step import after_step
 from lightning_shard.lightning.at_setup import prepare_fit, refuse_callbacks, shard_model
-from lightning_shard.lightning.checkpointing import CheckpointState
+from lightning_shard.lightning.checkpoint_strategy import CheckpointingStrategy
 from lightning_shard.lightning.evaluation import EvaluationHold
 from lightning_shard.lightning.finetuning import record_merged_groups
 from lightning_shard.lightning.guards import refuse_other_strategies
@@ -46,11 +39,10 @@ from lightning_shard.lightning.options import (check_count, check_declared_optim
                                                check_units_or_size)
 from lightning_shard.lightning.precision import (MixedPrecision, ShardPrecision, shard_precision_of,
                                                  validate_mixed_precision)
-from lightning_shard.lightning.process_strategy import ProcessGroupStrategy
 from lightning_shard.memory.estimate import MemoryEstimate
 
 
-class ShardStrategy(ProcessGroupStrategy):
+class ShardStrategy(CheckpointingStrategy):
     """Fully sharded data parallel training, implemented on ``torch.distributed`` collectives. Every option, with
     what it costs and what it changes, is in docs/options.md; in short:
 
@@ -91,8 +83,9 @@ class ShardStrategy(ProcessGroupStrategy):
     ``configure_model()`` and ``trainer.init_module(empty_init=True)`` build the model on the meta device;
     setup materialises it unit by unit (each module's ``reset_parameters()``), keeping only this rank's shards.
 
-    Its parts: ``processes`` (process_group.py, held by its base, process_strategy.py), ``evaluation`` (evaluation.py), ``checkpoints`` (checkpointing.py),
-    and, once the model is sharded, ``runtime`` (the engine's); Lightning's hooks here hand each what it needs.
+    Its parts: ``processes`` (process_group.py) and ``checkpoints`` (checkpointing.py), held by its bases
+    (process_strategy.py, checkpoint_strategy.py: their Lightning hooks), ``evaluation`` (evaluation.py) and, once the
+    model is sharded, ``runtime`` (the engine's); Lightning's hooks here hand each what it needs.
     """
 
     strategy_name = "lightning_shard"
@@ -130,7 +123,8 @@ class ShardStrategy(ProcessGroupStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[Union[timedelta, float]] = default_pg_timeout,
     ) -> None:
-        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+        super().__init__(state_dict_type=state_dict_type, save_frozen=save_frozen, async_save=async_save,
+                         accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,
                          timeout=timeout)
@@ -149,9 +143,6 @@ class ShardStrategy(ProcessGroupStrategy):
         self.frees_grads_after_step = False  # decided at setup (after_step.py)
         self.mixed_precision = validate_mixed_precision(mixed_precision)
         self.nonfinite = check_nonfinite(nonfinite)
-        self.state_dict_type = validate_state_dict_type(state_dict_type)
-        self.save_frozen = check_flag("save_frozen", save_frozen)
-        self.async_save = validate_async_save(async_save, self.state_dict_type)
         self.offload = validate_offload(offload)
         self.offload_overlap = check_flag("offload_overlap", offload_overlap)
         self.offload_overlap_clip: Optional[tuple[Optional[float]]] = None  # decided at setup (offload_overlap.py)
@@ -164,16 +155,10 @@ class ShardStrategy(ProcessGroupStrategy):
         self.compile = validate_compile(compile)
         refuse_with_elision(self.compile, self.elide_backward_gathers)
         self.evaluation = EvaluationHold()
-        self.checkpoints = CheckpointState()
         self.told_shard_norms = False  # the warning about Lightning's grad_norm of the shards was given (after_step.py)
-        self.runtime: Optional[ShardRuntime] = None
         self.memory_estimate: Optional[MemoryEstimate] = None  # per rank, set at setup for fitting
 
     # -- properties Lightning asks for --------------------------------------------------------------
-    @property
-    def restore_checkpoint_after_setup(self) -> bool:  # load into the sharded model
-        return True
-
     @property
     def precision_plugin(self) -> ShardPrecision:
         return self._precision_plugin if self._precision_plugin is not None else ShardPrecision()
@@ -361,71 +346,6 @@ class ShardStrategy(ProcessGroupStrategy):
         self.evaluation.release(exception)
         self.checkpoints.note_unfinished_save(exception, self.processes.timeout)
         super().on_exception(exception)
-
-    # -- checkpoints (checkpointing.py) -------------------------------------------------------------
-    def _sharded_now(self) -> bool:
-        """Whether this stage's model is sharded: not yet where its setup failed before sharding it (in the module's
-        ``setup`` hook, ``configure_model``, a refused option), when OnExceptionCheckpoint saves it; there it is whole
-        on every rank, as DDP's, and an earlier fit's runtime (the Trainer's) is another model's."""
-        return self.runtime is not None and self.runtime.root is self.model
-
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        if not self._sharded_now():  # whole, as DDP's: the module's own state dict
-            return super().lightning_module_state_dict()
-        return self.checkpoints.module_state(self.runtime, self.optimizers, self.state_dict_type, self.save_frozen)
-
-    def averaged_state_dict(self, average: AveragedShards) -> dict[str, Any]:  # (ShardedWeightAveraging's)
-        assert self.runtime is not None
-        return self.checkpoints.averaged_state(self.runtime, self.optimizers, average, self.state_dict_type,
-                                               self.save_frozen)
-
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        assert self.runtime is not None
-        return self.checkpoints.optimizer_state(self.runtime, optimizer, self.state_dict_type)
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        """Written beside the target and moved into place when complete: a save that fails or is killed
-        half-way leaves the previous checkpoint intact, and a partial one never carries its name."""
-        path = Path(self.broadcast(os.fspath(filepath)))
-        sharded = self._sharded_now()  # (not yet sharded: the whole model, one full file written by rank 0, as DDP's)
-        if sharded:
-            checkpoint[RECORD] = self.checkpoints.record(self.runtime, self.optimizers, self.save_frozen)
-        elif self.optimizers:  # an earlier fit's, of another model's shards: this model has none yet
-            checkpoint["optimizer_states"], checkpoint["lr_schedulers"] = [], []
-        trainer = getattr(self.lightning_module, "_trainer", None)
-        self.checkpoints.save(checkpoint, path, storage_options, self.state_dict_type if sharded else "full",
-                              self.is_global_zero, self.checkpoint_io, trainer)
-
-    def remove_checkpoint(self, filepath: Any) -> None:
-        """Under ``async_save``, once the save in flight has committed (until then this may be the newest complete
-        checkpoint)."""
-        self.checkpoints.remove(partial(super().remove_checkpoint, filepath))
-
-    def complete_background_saves(self) -> None:
-        """``async_save``, every rank: wait for the save in flight; raise on every rank, naming it, if it failed."""
-        self.checkpoints.complete_background_saves()
-
-    def save_pretrained(self, folder: Union[str, Path], **options: Any) -> Path:
-        """The trained model as a Hugging Face folder that ``from_pretrained`` loads (a peft model: its adapter,
-        or ``merged=True``); options as ``lightning_shard.checkpoint.export.save_pretrained``'s (``dtype``,
-        ``max_shard_size``, ``merged``, ``prefix``, ``adapter``). Every rank must call it; rank 0 writes."""
-        assert self.lightning_module is not None, "save_pretrained before the model is set up"
-        return save_pretrained(self.lightning_module, self.broadcast(os.fspath(folder)), **options)
-
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Either format, saved on any number of ranks; checked first, read with ``weights_only=True``."""
-        path = Path(self.broadcast(os.fspath(checkpoint_path)))
-        self.checkpoints.complete_background_saves()  # (one being written may be the one asked for)
-        return open_checkpoint(path)
-
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        assert self.runtime is not None
-        self.checkpoints.load_model_state(self.runtime, checkpoint, strict)
-
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        assert self.runtime is not None
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        self.checkpoints.load_optimizer_states(self.runtime, self.optimizers, checkpoint, trainer)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
